@@ -1,0 +1,38 @@
+"""graphprune: ``retain_graph`` per subgraph.
+
+Keep the autograd graph that leads to a shared tensor, free the branch that a
+finished output alone needs::
+
+    with graphprune.track():
+        x = trunk(inp)
+        y1 = head1(x)
+    y1.backward(retain_graph=True)
+    graphprune.prune_after(y1)      # y1's branch is freed; x's graph stays
+"""
+
+from importlib.metadata import PackageNotFoundError, version
+
+from ._prune import backward, explain, grad, prune_after
+from ._report import KeptReason, PruneReport
+from ._tape import Tape, track
+from .errors import GraphPruneError, InplaceModifiedError, ReleasedTensorError
+
+try:
+    __version__ = version("graphprune")
+except PackageNotFoundError:  # running from a source tree that is not installed
+    __version__ = "0.0.0+unknown"
+
+__all__ = [
+    "track",
+    "Tape",
+    "prune_after",
+    "explain",
+    "backward",
+    "grad",
+    "PruneReport",
+    "KeptReason",
+    "GraphPruneError",
+    "ReleasedTensorError",
+    "InplaceModifiedError",
+    "__version__",
+]

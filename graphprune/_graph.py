@@ -1,0 +1,191 @@
+"""A networkx model of the ``grad_fn`` graph, built without holding the graph alive.
+
+Every node graphprune has seen carries a :class:`NodeRecord` in ``node.metadata``.
+The model (a ``networkx.DiGraph`` of integer ids; edges follow ``next_functions``)
+holds no wrapper and no tensor, only ids, names and weak references to the
+:class:`~graphprune._saved.SavedHandle` objects a node owns. When the C++ node dies,
+its metadata dies with it and the record's ``__del__`` tells the model.
+
+NOTE [ Deep graphs and Python wrappers ]
+On torch 2.13 a ``grad_fn`` wrapper, once created, is kept by its C++ node, and a
+chain of wrapped nodes is destroyed by recursing through the wrappers' deallocs:
+~50k nodes overflow the C stack (DESIGN.md fact 12). Walking the graph needs the
+wrappers, so each record also holds its children's wrappers, and when it dies it
+hands them to a thread-local queue that one loop drains. Each node then dies
+alone, as PyTorch's own iterative teardown would have it.
+"""
+
+from __future__ import annotations
+
+import collections
+import itertools
+import threading
+import weakref
+from typing import Iterable
+
+import networkx as nx
+import torch
+
+from ._saved import SavedHandle
+
+__all__ = ["NodeRecord", "GraphModel", "MODEL", "record_of", "stamp"]
+
+_KEY = "graphprune"
+_ids = itertools.count(1)
+_local = threading.local()
+
+
+def _teardown_queue() -> collections.deque:
+    queue = getattr(_local, "teardown", None)
+    if queue is None:
+        queue = _local.teardown = collections.deque()
+        _local.draining = False
+    return queue
+
+
+def pending_handles() -> dict[int, list[weakref.ref]]:
+    """This thread's saved handles not yet claimed by a node, by sequence number."""
+    pending = getattr(_local, "pending", None)
+    if pending is None:
+        pending = _local.pending = {}
+    return pending
+
+
+class NodeRecord:
+    """What graphprune knows about one autograd node; lives in ``node.metadata``."""
+
+    __slots__ = ("id", "name", "children")
+
+    def __init__(self, node_id: int, name: str, children: list):
+        self.id = node_id
+        self.name = name
+        self.children = children  # wrappers; see NOTE [ Deep graphs and Python wrappers ]
+
+    def __del__(self) -> None:
+        try:
+            MODEL.mark_dead(self.id)
+            queue = _teardown_queue()
+            queue.append(self.children)
+            self.children = None
+            if _local.draining:
+                return
+            _local.draining = True
+            try:
+                while queue:
+                    queue.popleft()
+            finally:
+                _local.draining = False
+        except Exception:  # interpreter shutdown: module globals may be gone
+            pass
+
+
+def record_of(node) -> NodeRecord | None:
+    """The record stamped on ``node``, or ``None`` if graphprune has not seen it."""
+    return node.metadata.get(_KEY)
+
+
+class GraphModel:
+    """The live tracked graph of this process, keyed by node id."""
+
+    def __init__(self) -> None:
+        self.graph = nx.DiGraph()
+        self.lock = threading.RLock()
+        self._dead: collections.deque[int] = collections.deque()
+
+    def mark_dead(self, node_id: int) -> None:
+        self._dead.append(node_id)  # atomic; may run in any thread, inside any call
+
+    def purge(self) -> None:
+        """Forget the nodes whose C++ node has died."""
+        with self.lock:
+            while self._dead:
+                node_id = self._dead.popleft()
+                if node_id in self.graph:
+                    self.graph.remove_node(node_id)
+
+    def add(self, rec: NodeRecord, child_ids: list[int], attrs: dict) -> None:
+        with self.lock:
+            if len(self._dead) > 4096:
+                self.purge()
+            self.graph.add_node(rec.id, **attrs)
+            for child in child_ids:
+                self.graph.add_edge(rec.id, child)
+
+    def reach(self, sources: Iterable[int]) -> dict[int, int]:
+        """Nodes reachable from ``sources`` (themselves included), each with the
+        first source that reached it (breadth-first, sources in the given order)."""
+        succ = self.graph._succ
+        owner: dict[int, int] = {}
+        queue = collections.deque()
+        for s in sources:
+            if s in succ and s not in owner:
+                owner[s] = s
+                queue.append(s)
+        while queue:
+            n = queue.popleft()
+            label = owner[n]
+            for m in succ[n]:
+                if m not in owner:
+                    owner[m] = label
+                    queue.append(m)
+        return owner
+
+    def live_handles(self, node_id: int) -> list[SavedHandle]:
+        refs = self.graph.nodes[node_id].get("handles", ())
+        return [h for h in (r() for r in refs) if h is not None and not h.released]
+
+
+MODEL = GraphModel()
+
+
+def _claim(node) -> list[weakref.ref]:
+    refs = pending_handles().pop(node._sequence_nr(), ())
+    return [r for r in refs if r() is not None]
+
+
+def stamp(
+    root, tape_id: int | None = None, foreign: bool = False, where: str = "", since: int = 0
+) -> int:
+    """Record ``root`` and every node below it not seen before; return ``root``'s id.
+
+    Nodes are walked with a stack, never recursion. A node gets the saved handles
+    this thread packed under its sequence number (DESIGN.md fact 4), so a node must
+    first be seen in the thread that built it. ``tape_id`` is the tape whose forward
+    built the node if its sequence number is at least ``since`` (older nodes were
+    built before the tape opened); ``None`` leaves nodes untracked unless they own
+    handles. ``foreign`` marks nodes built while other hooks were innermost.
+    """
+    found = []
+    stack = [root]
+    while stack:
+        node = stack.pop()
+        if _KEY in node.metadata:
+            continue
+        children = [fn for fn, _ in node.next_functions if fn is not None]
+        rec = NodeRecord(next(_ids), node.name(), children)
+        node.metadata[_KEY] = rec
+        found.append((rec, node, children))
+        stack.extend(children)
+    for rec, node, children in found:
+        handles = _claim(node)
+        for ref in handles:
+            ref().node_name = rec.name
+        if handles:
+            owner_tape = handles[0]().tape_id
+        else:
+            owner_tape = tape_id if node._sequence_nr() >= since else None
+        attrs = {
+            "op": rec.name,
+            "tape": owner_tape,
+            "handles": handles,
+            "foreign": foreign and not handles,
+            "where": where,
+        }
+        MODEL.add(rec, [c.metadata[_KEY].id for c in children], attrs)
+    return root.metadata[_KEY].id
+
+
+def node_of(t: torch.Tensor, tape_id: int | None = None, where: str = "") -> int | None:
+    """Id of ``t.grad_fn`` (stamped now if needed), or ``None`` for a leaf."""
+    fn = t.grad_fn
+    return None if fn is None else stamp(fn, tape_id, where=where)

@@ -1,0 +1,242 @@
+"""``track()``: saved-tensor hooks and an output recorder around forward passes."""
+
+from __future__ import annotations
+
+import itertools
+import os
+import sys
+import threading
+import weakref
+from dataclasses import dataclass
+
+import networkx as nx
+import torch
+from torch.overrides import TorchFunctionMode
+
+from ._graph import pending_handles, stamp
+from ._saved import SavedHandle
+
+__all__ = ["Tape", "track", "LIVE", "LiveTensor"]
+
+_tape_ids = itertools.count(1)
+_TORCH_DIR = os.path.dirname(torch.__file__)
+_OWN_DIR = os.path.dirname(__file__)
+
+
+@dataclass(frozen=True)
+class LiveTensor:
+    """A tensor created under ``track()``, described without holding it."""
+
+    ref: weakref.ref
+    shape: tuple
+    dtype: torch.dtype
+    where: str
+
+    def describe(self) -> str:
+        return f"tensor of shape {tuple(self.shape)}, {self.dtype}, created at {self.where}"
+
+
+class _LiveTensors:
+    """Weak references to every tensor with a ``grad_fn`` that a tape saw created."""
+
+    def __init__(self) -> None:
+        self._by_id: dict[int, LiveTensor] = {}
+
+    def add(self, t: torch.Tensor, where: str) -> None:
+        key = id(t)
+        if key in self._by_id and self._by_id[key].ref() is t:
+            return
+        by_id = self._by_id
+
+        def forget(ref, key=key, by_id=by_id):
+            entry = by_id.get(key)
+            if entry is not None and entry.ref is ref:
+                del by_id[key]
+
+        self._by_id[key] = LiveTensor(weakref.ref(t, forget), tuple(t.shape), t.dtype, where)
+
+    def roots(self, exclude: tuple = ()) -> list[tuple[int, LiveTensor]]:
+        """``(node id, entry)`` of each live tensor not in ``exclude``, whose graph
+        is found again through its current ``grad_fn`` (in-place ops move it)."""
+        out = []
+        for entry in list(self._by_id.values()):
+            t = entry.ref()
+            if t is None or any(t is e for e in exclude):
+                continue
+            fn = t.grad_fn
+            if fn is not None:
+                out.append((stamp(fn), entry))
+        return out
+
+    def describe(self, t: torch.Tensor) -> str:
+        entry = self._by_id.get(id(t))
+        if entry is not None and entry.ref() is t:
+            return entry.describe()
+        return f"tensor of shape {tuple(t.shape)}, {t.dtype}"
+
+
+LIVE = _LiveTensors()
+
+
+def _caller() -> str:
+    """``file:line`` of the first frame outside torch and graphprune."""
+    frame = sys._getframe(2)
+    while frame is not None:
+        path = frame.f_code.co_filename
+        if not (path.startswith(_TORCH_DIR) or path.startswith(_OWN_DIR)):
+            return f"{os.path.basename(path)}:{frame.f_lineno}"
+        frame = frame.f_back
+    return "<unknown>"
+
+
+def _is_own_hook(hooks) -> bool:
+    return hooks is not None and getattr(hooks[0], "__graphprune__", False)
+
+
+class _OutputRecorder(TorchFunctionMode):
+    """Sees every Python-level torch call under the tape and records its outputs."""
+
+    def __init__(self, tape: "Tape"):
+        super().__init__()
+        self.tape = tape
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        if torch.is_grad_enabled():
+            if isinstance(out, torch.Tensor):
+                self.tape._record(out)
+            elif isinstance(out, (tuple, list)):
+                for t in out:
+                    if isinstance(t, torch.Tensor):
+                        self.tape._record(t)
+        return out
+
+
+class Tape:
+    """The record of forward passes run inside one ``with graphprune.track():``.
+
+    Use :func:`track` to make one. Holding a tape keeps no tensor and no node alive.
+    """
+
+    def __init__(self) -> None:
+        self.id = next(_tape_ids)
+        self.saved_count = 0
+        self._first_seq = 0
+        self._thread = None
+        self._hooks = None
+        self._mode = None
+
+    # -- hooks ---------------------------------------------------------------------
+    def _pack(self, t: torch.Tensor) -> SavedHandle:
+        seq = torch._C._autograd._get_sequence_nr() - 1
+        handle = SavedHandle(t, seq, self.id)
+        pending = pending_handles()
+        pending.setdefault(seq, []).append(weakref.ref(handle))
+        self.saved_count += 1
+        if len(pending) > 65536:
+            _forget_dead(pending)
+        return handle
+
+    def _record(self, t: torch.Tensor) -> None:
+        fn = t.grad_fn
+        if fn is None:
+            return
+        top = torch._C._autograd._top_saved_tensors_default_hooks(False)
+        where = _caller()
+        stamp(fn, self.id, foreign=not _is_own_hook(top), where=where, since=self._first_seq)
+        LIVE.add(t, where)
+
+    # -- context manager ---------------------------------------------------------------
+    def __enter__(self) -> "Tape":
+        if self._hooks is not None:
+            raise RuntimeError("graphprune.track: this tape is already active; use a new track()")
+        self._thread = threading.get_ident()
+        self._first_seq = torch._C._autograd._get_sequence_nr()
+        pack = self._pack
+        unpack = SavedHandle.unpack
+
+        def pack_hook(t):
+            return pack(t)
+
+        pack_hook.__graphprune__ = True
+        self._hooks = torch.autograd.graph.saved_tensors_hooks(pack_hook, unpack)
+        self._mode = _OutputRecorder(self)
+        self._hooks.__enter__()
+        try:
+            self._mode.__enter__()
+        except BaseException:
+            self._hooks.__exit__(None, None, None)
+            self._hooks = None
+            raise
+        return self
+
+    def __exit__(self, *exc) -> None:
+        if threading.get_ident() != self._thread:
+            raise RuntimeError("graphprune.track: a tape must be closed in the thread that opened it")
+        try:
+            self._mode.__exit__(*exc)
+        finally:
+            self._hooks.__exit__(*exc)
+            self._hooks = self._mode = None
+
+    # -- inspection ----------------------------------------------------------------------
+    def graph(self) -> nx.DiGraph:
+        """A snapshot of this tape's live ``grad_fn`` graph as a ``networkx.DiGraph``.
+
+        Nodes are integer ids with attributes ``op`` (e.g. ``"MulBackward0"``),
+        ``saved_bytes`` (unique storage still held), ``saved_tensors`` and ``state``:
+        ``"trunk"`` (a live tensor created under ``track()`` still reaches it),
+        ``"branch"`` (none does), ``"released"`` (graphprune freed its saved tensors)
+        or ``"untracked"`` (built outside ``track()`` or under other saved-tensor
+        hooks). Edges follow ``next_functions``. The snapshot holds only ints and
+        strings, never a node or a tensor.
+
+        Example::
+
+            >>> import torch, graphprune as gp
+            >>> w = torch.ones(3, requires_grad=True)
+            >>> with gp.track() as tape:
+            ...     y = (w * 2).exp().sum()
+            >>> g = tape.graph()
+            >>> sorted(d["op"] for _, d in g.nodes(data=True))
+            ['AccumulateGrad', 'ExpBackward0', 'MulBackward0', 'SumBackward0']
+        """
+        from ._report import snapshot
+
+        return snapshot(tape_id=self.id)
+
+    def __repr__(self) -> str:
+        state = "active" if self._hooks is not None else "closed"
+        return f"<graphprune.Tape {self.id} {state}, {self.saved_count} tensors saved>"
+
+
+def _forget_dead(pending: dict) -> None:
+    for seq in [s for s, refs in pending.items() if all(r() is None for r in refs)]:
+        del pending[seq]
+
+
+def track() -> Tape:
+    """Record the forward passes run in a ``with`` block, so that they can be pruned.
+
+    Inside the block, graphprune's saved-tensor hooks hold every tensor that
+    autograd saves, and an output recorder notes (weakly) every tensor created.
+    Hooks are per thread and innermost-wins: a ``checkpoint`` or ``save_on_cpu``
+    region inside the block keeps its own tensors, which graphprune leaves alone.
+
+    Returns:
+        A :class:`Tape`: a context manager, and ``tape.graph()`` afterwards.
+
+    Example::
+
+        >>> import torch, graphprune as gp
+        >>> w = torch.ones(3, requires_grad=True)
+        >>> with gp.track():
+        ...     x = w + 10
+        ...     y1 = (x * x).sum()
+        >>> y1.backward(retain_graph=True)
+        >>> gp.prune_after(y1).released_tensors
+        2
+        >>> (x.sqrt().sum()).backward()   # x's graph is still there
+    """
+    return Tape()
+

@@ -1,0 +1,22 @@
+"""The exceptions graphprune raises: one root, a few precise subclasses."""
+
+from __future__ import annotations
+
+__all__ = ["GraphPruneError", "ReleasedTensorError", "InplaceModifiedError"]
+
+
+class GraphPruneError(RuntimeError):
+    """Root of every error graphprune raises about the autograd graph."""
+
+
+class ReleasedTensorError(GraphPruneError):
+    """A backward pass needed a saved tensor that a graphprune call released."""
+
+
+class InplaceModifiedError(GraphPruneError):
+    """A saved tensor was modified in place after it was saved.
+
+    PyTorch skips its own version-counter check while saved-tensor hooks are set
+    (``saved_variable.cpp``: "Only check version counter in the case without
+    hooks"); graphprune restores it and raises this instead.
+    """

@@ -1,0 +1,21 @@
+"""Run a test script in a fresh interpreter, with RSS made honest (DESIGN.md fact 11)."""
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+
+
+def run_script(source: str, timeout: float = 300) -> dict:
+    """Run ``source`` in a new Python; it must print one JSON object as its last line."""
+    env = dict(os.environ, MALLOC_MMAP_THRESHOLD_="65536")
+    proc = subprocess.run(
+        [sys.executable, "-c", textwrap.dedent(source)],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        env=env,
+    )
+    assert proc.returncode == 0, f"exit {proc.returncode}\n{proc.stdout}\n{proc.stderr}"
+    return json.loads(proc.stdout.strip().splitlines()[-1])

@@ -1,0 +1,44 @@
+"""Shared models and references for the graphprune tests."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+import graphprune as gp
+
+
+class MultiTaskNet(nn.Module):
+    """A shared conv trunk with two heads, the multi-task pattern graphprune is for."""
+
+    def __init__(self, channels: int = 8, classes: int = 5):
+        super().__init__()
+        self.trunk = nn.Sequential(
+            nn.Conv2d(3, channels, 3, padding=1), nn.ReLU(),
+            nn.Conv2d(channels, channels, 3, padding=1), nn.ReLU(),
+        )
+        self.head1 = nn.Sequential(nn.Flatten(), nn.Linear(channels * 8 * 8, classes))
+        self.head2 = nn.Sequential(nn.Conv2d(channels, 1, 1), nn.Sigmoid())
+
+
+@pytest.fixture
+def multitask():
+    torch.manual_seed(0)
+    return MultiTaskNet()
+
+
+@pytest.fixture
+def images():
+    g = torch.Generator().manual_seed(1)
+    return torch.randn(4, 3, 8, 8, generator=g), torch.randint(0, 5, (4,), generator=g)
+
+
+def grads_of(params) -> list[torch.Tensor]:
+    """Copies of the ``.grad`` of each parameter (``None`` kept as ``None``)."""
+    return [None if p.grad is None else p.grad.detach().clone() for p in params]
+
+
+@pytest.fixture(autouse=True)
+def _doctest_namespace(doctest_namespace):
+    doctest_namespace.update(torch=torch, gp=gp)

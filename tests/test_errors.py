@@ -1,0 +1,128 @@
+"""Clear errors: bad input, released tensors, in-place modification under hooks."""
+
+import pytest
+import torch
+
+import graphprune as gp
+
+
+@pytest.fixture
+def branch():
+    w = torch.ones(3, requires_grad=True)
+    with gp.track():
+        x = w.exp()
+        y = (x * x).sum()
+    return w, x, y
+
+
+@pytest.mark.parametrize("call", [gp.prune_after, gp.explain, gp.backward])
+@pytest.mark.parametrize(
+    "bad, error, match",
+    [
+        (3.0, TypeError, r"must be a torch.Tensor, got float"),
+        ([torch.ones(2, requires_grad=True).exp(), "y"], TypeError, r"\[1\] must be a torch.Tensor"),
+        (torch.ones(3), ValueError, r"has no grad_fn"),
+        (torch.ones(3, requires_grad=True), ValueError, r"leaf"),
+        ([], ValueError, r"is empty"),
+    ],
+)
+def test_bad_output_argument_is_named(call, bad, error, match):
+    with pytest.raises(error, match=match):
+        call(bad)
+
+
+@pytest.mark.parametrize(
+    "keep, error, match",
+    [
+        ("x", TypeError, r"keep must be a tensor, a grad_fn node or a sequence.*got str"),
+        ([1], TypeError, r"keep\[0\] must be"),
+        (torch.ones(3), ValueError, r"keep does not require grad"),
+    ],
+)
+def test_bad_keep_argument_is_named(branch, keep, error, match):
+    _, _, y = branch
+    with pytest.raises(error, match=match):
+        gp.prune_after(y, keep=keep)
+
+
+def test_keep_accepts_grad_fn_node_and_leaf(branch):
+    w, x, y = branch
+    report = gp.explain(y, keep=[x.grad_fn, w])
+    assert report.released_nodes == {"MulBackward0": 1}
+    assert report.dry_run
+
+
+def test_released_error_names_node_call_and_fix(branch):
+    _, x, y = branch
+    y.backward(retain_graph=True)
+    gp.prune_after(y, keep=x)
+    with pytest.raises(gp.ReleasedTensorError) as info:
+        y.backward()
+    message = str(info.value)
+    assert "MulBackward0" in message
+    assert "graphprune.prune_after(tensor of shape (), torch.float32, created at test_errors.py" in message
+    assert "keep=" in message
+    assert isinstance(info.value, RuntimeError)
+
+
+def test_prune_after_is_idempotent(branch):
+    _, x, y = branch
+    y.backward(retain_graph=True)
+    first = gp.prune_after(y, keep=x)
+    second = gp.prune_after(y, keep=x)
+    assert first.released_tensors == 2
+    assert second.released_tensors == 0
+    assert second.released_nodes == {}
+
+
+def test_inplace_modification_of_saved_tensor_raises_like_pytorch():
+    w = torch.randn(3, requires_grad=True)
+    s = w.sigmoid()
+    s.mul_(2)
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        s.sum().backward()
+    with gp.track():
+        s = w.sigmoid()
+        s.mul_(2)
+    with pytest.raises(gp.InplaceModifiedError, match=r"modified by an inplace operation.*SigmoidBackward0"):
+        s.sum().backward()
+
+
+def test_inplace_on_unsaved_tensor_is_fine():
+    w = torch.randn(3, requires_grad=True)
+    with gp.track():
+        s = w * 2  # MulBackward0 by a constant saves nothing about its output
+        s.add_(1)
+        y = (s * s).sum()
+    y.backward()
+    torch.testing.assert_close(w.grad, 4 * (2 * w.detach() + 1))
+
+
+def test_nodes_built_outside_track_are_kept_and_reported():
+    w = torch.randn(3, requires_grad=True)
+    x = w.exp()  # untracked: PyTorch holds its saved tensor
+    with gp.track():
+        y = (x.sin()).sum()
+    report = gp.prune_after(y)
+    assert report.released_nodes == {"SinBackward0": 1}
+    assert any("outside graphprune.track()" in k.reason for k in report.kept)
+    loss = x.sum()
+    loss.backward()  # the untracked graph still works
+    torch.testing.assert_close(w.grad, w.detach().exp())
+
+
+def test_prune_of_untracked_graph_releases_nothing():
+    w = torch.randn(3, requires_grad=True)
+    y = (w.exp() * 2).sum()
+    report = gp.prune_after(y)
+    assert report.released_tensors == 0
+    y.backward()
+    torch.testing.assert_close(w.grad, 2 * w.detach().exp())
+
+
+def test_report_str_is_readable(branch):
+    _, x, y = branch
+    text = str(gp.explain(y, keep=x))
+    assert text.startswith("graphprune.explain would release 2 saved tensor(s) of 1 node(s)")
+    assert "MulBackward0" in text
+    assert "kept" in text

@@ -1,0 +1,284 @@
+"""Op sweep: ``prune_after`` on the output of every differentiable op in ``op_db``.
+
+For each OpInfo in ``torch.testing._internal.common_methods_invocations.op_db``
+that supports autograd, the first samples (CPU, float64 where supported) feed one
+op output ``out`` into two heads that save tensors of their own::
+
+    head1(out) = (out.sin() * w1).sum()      # SinBackward0 saves out, Mul saves w1
+    head2(out) = (out.cos() * out).sum()
+
+The sweep proves, per op and sample:
+
+* **Mapping** (DESIGN.md fact 4): after the tracked forward, every node of the op's
+  graph carries a record; the saved handles it claimed were packed under its own
+  sequence number, and every tensor its ``_saved_*`` attributes unpack is one of its
+  own handles, one for one. No handle of the forward is left unclaimed.
+* **Gradients**: after ``y1.backward(retain_graph=True)``, ``prune_after(y1)`` and
+  ``y2.backward()``, every leaf gradient equals that of the same program in plain
+  PyTorch (head2 is built outside ``track()`` for even samples, inside a second
+  ``track()`` for odd ones), and tracking raises no warning plain PyTorch does not.
+* **Release**: the prune released head1's saved tensors, and a second
+  ``y1.backward()`` raises :class:`graphprune.ReleasedTensorError` naming the
+  released node.
+
+Samples that plain PyTorch cannot run, or whose output is not a differentiable
+real floating tensor, are skipped with their reason. A summary of ops and samples
+is printed at the end of the module.
+"""
+
+from __future__ import annotations
+
+import collections
+import itertools
+import warnings
+
+import pytest
+import torch
+from torch.utils import _pytree as pytree
+
+import graphprune
+from graphprune._graph import MODEL, pending_handles, record_of
+
+pytest.importorskip("expecttest")
+from torch.testing._internal.common_methods_invocations import op_db  # noqa: E402
+
+SAMPLES_PER_OP = 2
+DTYPE_PREFERENCE = (torch.float64, torch.float32, torch.complex128)
+RELEASED_HEAD_NODE = "MulBackward0"  # head1's first node with a saved tensor, seen from y1
+
+# Ops that fail because of a graphprune bug: op id -> reason naming the bug.
+KNOWN_BUGS: dict[str, str] = {}
+
+SWEEP_OPS = [op for op in op_db if op.supports_autograd]
+
+
+def op_id(op) -> str:
+    return f"{op.name}.{op.variant_test_name}" if op.variant_test_name else op.name
+
+
+# -- summary -------------------------------------------------------------------------
+
+OUTCOMES: dict[str, tuple[str, str, int]] = {}  # op id -> (status, reason, samples passed)
+
+
+def record_outcome(op, status: str, reason: str = "", samples_passed: int = 0) -> None:
+    OUTCOMES[op_id(op)] = (status, reason, samples_passed)
+
+
+def summary_lines() -> list[str]:
+    by_status = collections.Counter(status for status, _, _ in OUTCOMES.values())
+    skip_reasons = collections.Counter(reason for status, reason, _ in OUTCOMES.values() if status == "skipped")
+    lines = [
+        f"ops attempted: {len(OUTCOMES)}",
+        f"ops passed: {by_status['passed']}",
+        f"samples passed: {sum(n for _, _, n in OUTCOMES.values())}",
+        f"ops skipped: {by_status['skipped']}",
+        *(f"  {n:4d} x {reason}" for reason, n in skip_reasons.most_common()),
+        f"ops xfailed: {by_status['xfailed']}",
+        f"ops failed: {by_status['failed']}",
+    ]
+    return lines
+
+
+@pytest.fixture(scope="module", autouse=True)
+def sweep_summary(request):
+    yield
+    reporter = request.config.pluginmanager.get_plugin("terminalreporter")
+    if reporter is None or not OUTCOMES:
+        return
+    reporter.write_sep("-", "graphprune op sweep")
+    for line in summary_lines():
+        reporter.write_line(line)
+
+
+# -- the program under test ----------------------------------------------------------
+
+
+class SkipSample(Exception):
+    """The sample cannot take part in the sweep; the message says why."""
+
+
+def head1(out: torch.Tensor) -> torch.Tensor:
+    weights = torch.rand(out.shape, generator=torch.Generator().manual_seed(1), dtype=out.dtype)
+    return (out.sin() * weights).sum()
+
+
+def head2(out: torch.Tensor) -> torch.Tensor:
+    return (out.cos() * out).sum()
+
+
+def choose_dtype(op) -> torch.dtype | None:
+    usable = op.supported_dtypes("cpu") & op.supported_backward_dtypes("cpu")
+    return next((dtype for dtype in DTYPE_PREFERENCE if dtype in usable), None)
+
+
+def fresh_leaves(sample):
+    """``(args, kwargs, leaves)``: the sample's tensors cloned into new leaves."""
+
+    def clone(t: torch.Tensor) -> torch.Tensor:
+        return t.detach().clone().requires_grad_(t.requires_grad)
+
+    (first, args, kwargs) = pytree.tree_map_only(torch.Tensor, clone, (sample.input, sample.args, sample.kwargs))
+    leaves = [t for t in pytree.tree_leaves((first, args, kwargs)) if isinstance(t, torch.Tensor)]
+    return (first, *args), kwargs, [t for t in leaves if t.requires_grad]
+
+
+def run_op(op, sample, args, kwargs) -> torch.Tensor:
+    """The op's first output that is a differentiable real floating tensor."""
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(0)
+        result = sample.output_process_fn_grad(op(*args, **kwargs))
+    for t in pytree.tree_leaves(result):
+        if isinstance(t, torch.Tensor) and t.grad_fn is not None:
+            if t.layout != torch.strided or not t.is_floating_point():
+                raise SkipSample("output is not a strided real floating tensor")
+            return t
+    raise SkipSample("no output with a grad_fn")
+
+
+def grads_of(leaves) -> list[torch.Tensor | None]:
+    return [None if t.grad is None else t.grad.clone() for t in leaves]
+
+
+def reference_run(op, sample):
+    """Plain PyTorch: ``(grads after head1, grads after both heads, warnings)``."""
+    args, kwargs, leaves = fresh_leaves(sample)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        try:
+            out = run_op(op, sample, args, kwargs)
+            head1(out).backward(retain_graph=True)
+            after_head1 = grads_of(leaves)
+            head2(out).backward()
+        except SkipSample:
+            raise
+        except Exception as e:
+            raise SkipSample(f"plain PyTorch raises {type(e).__name__}") from e
+    return after_head1, grads_of(leaves), warning_keys(caught)
+
+
+def warning_keys(caught) -> set[tuple[type, str]]:
+    return {(w.category, str(w.message)) for w in caught}
+
+
+# -- the mapping of saved tensors to nodes (DESIGN.md fact 4) ----------------------------
+
+
+def graph_nodes(root):
+    """Every node below ``root``, each once, walked with a stack."""
+    seen, stack = set(), [root]
+    while stack:
+        node = stack.pop()
+        if node in seen:
+            continue
+        seen.add(node)
+        yield node
+        stack.extend(fn for fn, _ in node.next_functions if fn is not None)
+
+
+def unpacked_saved_tensors(node) -> list[torch.Tensor]:
+    """The tensors in ``node``'s ``_saved_*`` attributes (reading them unpacks them)."""
+    found = []
+    for name in dir(node):
+        if name.startswith("_saved_"):
+            value = getattr(node, name)
+            found += [t for t in pytree.tree_leaves(value) if isinstance(t, torch.Tensor)]
+    return found
+
+
+def same_tensor(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return a.data_ptr() == b.data_ptr() and a.shape == b.shape and a.dtype == b.dtype
+
+
+def assert_saved_tensors_map_to_nodes(out: torch.Tensor, tape) -> None:
+    claimed = []
+    for node in graph_nodes(out.grad_fn):
+        rec = record_of(node)
+        assert rec is not None, f"{node.name()} was not stamped"
+        handles = [ref() for ref in MODEL.graph.nodes[rec.id]["handles"]]
+        assert all(h is not None for h in handles), f"{node.name()} lost a live handle"
+        assert all(h.node_name == node.name() for h in handles)
+        assert all(h.seq == node._sequence_nr() for h in handles)
+        unmatched = list(handles)
+        for t in unpacked_saved_tensors(node):
+            match = next((h for h in unmatched if same_tensor(h.tensor, t)), None)
+            assert match is not None, f"a saved tensor of {node.name()} is not among its handles"
+            unmatched.remove(match)
+        assert not unmatched, f"{node.name()} claimed {len(unmatched)} handle(s) it does not save"
+        claimed += handles
+    unclaimed = [
+        h for refs in pending_handles().values() for h in (r() for r in refs) if h is not None and h.tape_id == tape.id
+    ]
+    assert not unclaimed, f"handles packed under no node: seq {[h.seq for h in unclaimed]}"
+
+
+# -- the sweep -------------------------------------------------------------------------
+
+
+def check_sample(op, sample, head2_tracked: bool) -> None:
+    """Raise :class:`SkipSample` or fail an assert unless the sample passes."""
+    ref_after_head1, ref_after_both, ref_warnings = reference_run(op, sample)
+
+    args, kwargs, leaves = fresh_leaves(sample)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        with graphprune.track() as tape:
+            out = run_op(op, sample, args, kwargs)
+            y1 = head1(out)
+        assert_saved_tensors_map_to_nodes(out, tape)
+        y1.backward(retain_graph=True)
+        torch.testing.assert_close(grads_of(leaves), ref_after_head1, equal_nan=True)
+
+        report = graphprune.prune_after(y1)
+        assert report.released_tensors >= 1, str(report)
+        assert RELEASED_HEAD_NODE in report.released_nodes, str(report)
+
+        if head2_tracked:
+            with graphprune.track():
+                y2 = head2(out)
+        else:
+            y2 = head2(out)
+        y2.backward()
+        torch.testing.assert_close(grads_of(leaves), ref_after_both, equal_nan=True)
+
+        with pytest.raises(graphprune.ReleasedTensorError, match=f"saved tensor of {RELEASED_HEAD_NODE}"):
+            y1.backward()
+    assert warning_keys(caught) <= ref_warnings, "tracking raised warnings plain PyTorch does not"
+
+
+def op_params():
+    for op in SWEEP_OPS:
+        marks = ()
+        if op_id(op) in KNOWN_BUGS:
+            marks = pytest.mark.xfail(reason=KNOWN_BUGS[op_id(op)], strict=True)
+        yield pytest.param(op, id=op_id(op), marks=marks)
+
+
+@pytest.mark.parametrize("op", list(op_params()))
+def test_prune_after_matches_plain_pytorch(op):
+    dtype = choose_dtype(op)
+    if dtype is None:
+        record_outcome(op, "skipped", "no CPU dtype with forward and backward support")
+        pytest.skip("no CPU dtype with forward and backward support")
+    samples = itertools.islice(op.sample_inputs("cpu", dtype, requires_grad=True), SAMPLES_PER_OP)
+    passed, skip_reasons = 0, []
+    try:
+        for index, sample in enumerate(samples):
+            try:
+                check_sample(op, sample, head2_tracked=index % 2 == 1)
+            except SkipSample as why:
+                skip_reasons.append(str(why))
+            else:
+                passed += 1
+    except BaseException:
+        record_outcome(op, "xfailed" if op_id(op) in KNOWN_BUGS else "failed")
+        raise
+    if not passed:
+        reason = "; ".join(sorted(set(skip_reasons))) or "no samples"
+        record_outcome(op, "skipped", reason)
+        pytest.skip(reason)
+    record_outcome(op, "passed", samples_passed=passed)
+
+
+def test_sweep_covers_op_db():
+    assert len(SWEEP_OPS) > 400

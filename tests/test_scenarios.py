@@ -1,0 +1,153 @@
+"""The three reference scenarios, each compared with plain PyTorch gradients."""
+
+import copy
+
+import pytest
+import torch
+from torch.nn import functional as F
+from torch.testing import assert_close
+
+import graphprune as gp
+from conftest import grads_of
+
+
+def _seed_forward(w):
+    x = w + 10
+    x1 = x * x
+    y1 = x1 * x1
+    return x, x1, y1
+
+
+def _seed_reference():
+    w = torch.tensor([1.0, 2.0, 3.0], requires_grad=True)
+    x, x1, y1 = _seed_forward(w)
+    y1.sum().backward(retain_graph=True)
+    g1 = w.grad.clone()
+    (torch.sqrt(x) / 2).sum().backward()
+    return g1, w.grad.clone()
+
+
+def test_seed_example_keeps_trunk_and_frees_branch():
+    g1_ref, g2_ref = _seed_reference()
+    w = torch.tensor([1.0, 2.0, 3.0], requires_grad=True)
+    with gp.track():
+        x, x1, y1 = _seed_forward(w)
+        y1 = y1.sum()
+    y1.backward(retain_graph=True)
+    assert_close(w.grad, g1_ref)
+    del x1  # the user no longer holds x -> x1, so that branch goes too
+    report = gp.prune_after(y1)
+    assert report.released_nodes == {"MulBackward0": 2}
+    assert report.released_tensors == 4
+    x2 = torch.sqrt(x)
+    y2 = (x2 / 2).sum()
+    y2.backward()
+    assert_close(w.grad, g2_ref)
+    with pytest.raises(gp.ReleasedTensorError, match=r"MulBackward0.*prune_after.*keep="):
+        y1.backward()
+
+
+def test_seed_example_protects_live_intermediate():
+    w = torch.tensor([1.0, 2.0, 3.0], requires_grad=True)
+    with gp.track():
+        x, x1, y1 = _seed_forward(w)
+    y1.backward(torch.ones(3), retain_graph=True)
+    report = gp.prune_after(y1)  # x1 is alive: only y1 = x1 * x1 is released
+    assert report.released_nodes == {"MulBackward0": 1}
+    assert any("live tensor of shape (3,)" in k.reason for k in report.kept)
+    x1.sum().backward()  # x1's graph was kept
+    assert_close(w.grad, 4 * (w + 10) ** 3 + 2 * (w + 10))
+
+
+@pytest.mark.parametrize("way", ["prune_after", "backward", "grad"])
+def test_seed_wish_retain_graph_up_to_x(way):
+    g1_ref, g2_ref = _seed_reference()
+    w = torch.tensor([1.0, 2.0, 3.0], requires_grad=True)
+    with gp.track():
+        x, x1, y1 = _seed_forward(w)
+        y1 = y1.sum()
+    del x1
+    if way == "prune_after":
+        y1.backward(retain_graph=True)
+        report = gp.prune_after(y1, keep=x)
+    elif way == "backward":
+        report = gp.backward(y1, keep=x)
+    else:
+        (w.grad,) = gp.grad(y1, w, keep=x)
+        report = None
+    assert_close(w.grad, g1_ref)
+    if report is not None:
+        assert report.released_tensors == 4
+    (torch.sqrt(x) / 2).sum().backward()
+    assert_close(w.grad, g2_ref)
+    with pytest.raises(gp.ReleasedTensorError):
+        y1.backward()
+
+
+def test_mean_then_sum_of_shared_node():
+    a = torch.tensor([1.0, -2.0, 3.0], requires_grad=True)
+    b = a**2
+    c = b * 2
+    c.mean().backward(retain_graph=True)
+    c.sum().backward()
+    expected = a.grad.clone()
+    a.grad = None
+
+    with gp.track():
+        b = a**2
+        c = b * 2
+        d = c.mean()
+        e = c.sum()
+    d.backward(retain_graph=True)
+    report = gp.prune_after(d)  # c is alive and e is alive: nothing saved may go
+    assert report.released_tensors == 0
+    e.backward()
+    assert_close(a.grad, expected)
+
+
+def _multitask_losses(net, inp, target):
+    feat = net.trunk(inp)
+    loss1 = F.cross_entropy(net.head1(feat), target)
+    loss2 = net.head2(feat).mean()
+    return feat, loss1, loss2
+
+
+def test_multitask_two_heads_then_optimizer_step(multitask, images):
+    inp, target = images
+    reference = copy.deepcopy(multitask)
+    opt_ref = torch.optim.SGD(reference.parameters(), lr=0.1)
+    _, l1, l2 = _multitask_losses(reference, inp, target)
+    l1.backward(retain_graph=True)
+    l2.backward()
+    opt_ref.step()
+
+    opt = torch.optim.SGD(multitask.parameters(), lr=0.1)
+    with gp.track():
+        feat, loss1, loss2 = _multitask_losses(multitask, inp, target)
+    loss1.backward(retain_graph=True)
+    report = gp.prune_after(loss1)
+    assert report.released_tensors > 0
+    assert report.bytes_kept > 0
+    loss2.backward()
+    assert_close(grads_of(multitask.parameters()), grads_of(reference.parameters()))
+    opt.step()
+    for p, q in zip(multitask.parameters(), reference.parameters()):
+        assert_close(p, q)
+    with pytest.raises(gp.ReleasedTensorError, match="keep="):
+        loss1.backward()
+
+
+def test_multitask_backward_keep_frees_head_during_pass(multitask, images):
+    inp, target = images
+    reference = copy.deepcopy(multitask)
+    _, l1, l2 = _multitask_losses(reference, inp, target)
+    (l1 + l2).backward()
+
+    with gp.track():
+        feat, loss1, loss2 = _multitask_losses(multitask, inp, target)
+    first = gp.backward(loss1, keep=[feat, loss2])
+    assert first.released_tensors > 0
+    gp.backward(loss2)  # keep=None: nothing else is alive, the whole graph goes
+    assert_close(grads_of(multitask.parameters()), grads_of(reference.parameters()))
+    with pytest.raises(gp.ReleasedTensorError):
+        loss2.backward()
