@@ -91,6 +91,7 @@ class GraphModel:
         self.graph = nx.DiGraph()
         self.lock = threading.RLock()
         self._dead: collections.deque[int] = collections.deque()
+        self.released: set[int] = set()  # nodes whose saved tensors graphprune let go
 
     def mark_dead(self, node_id: int) -> None:
         self._dead.append(node_id)  # atomic; may run in any thread, inside any call
@@ -102,6 +103,7 @@ class GraphModel:
                 node_id = self._dead.popleft()
                 if node_id in self.graph:
                     self.graph.remove_node(node_id)
+                self.released.discard(node_id)
 
     def add(self, rec: NodeRecord, child_ids: list[int], attrs: dict) -> None:
         with self.lock:
@@ -111,21 +113,26 @@ class GraphModel:
             for child in child_ids:
                 self.graph.add_edge(rec.id, child)
 
-    def reach(self, sources: Iterable[int]) -> dict[int, int]:
+    def reach(self, sources: Iterable[int], through_released: bool = True) -> dict[int, int]:
         """Nodes reachable from ``sources`` (themselves included), each with the
-        first source that reached it (breadth-first, sources in the given order)."""
+        first source that reached it (breadth-first, sources in the given order).
+
+        With ``through_released=False`` the walk stops at released nodes: a backward
+        pass that reaches one raises, so nothing behind it can be used that way.
+        """
         succ = self.graph._succ
+        stop = () if through_released else self.released
         owner: dict[int, int] = {}
         queue = collections.deque()
         for s in sources:
-            if s in succ and s not in owner:
+            if s in succ and s not in owner and s not in stop:
                 owner[s] = s
                 queue.append(s)
         while queue:
             n = queue.popleft()
             label = owner[n]
             for m in succ[n]:
-                if m not in owner:
+                if m not in owner and m not in stop:
                     owner[m] = label
                     queue.append(m)
         return owner
@@ -162,7 +169,7 @@ def stamp(
         if _KEY in node.metadata:
             continue
         children = [fn for fn, _ in node.next_functions if fn is not None]
-        rec = NodeRecord(next(_ids), node.name(), children)
+        rec = NodeRecord(next(_ids), node.name().rsplit("::", 1)[-1], children)
         node.metadata[_KEY] = rec
         found.append((rec, node, children))
         stack.extend(children)

@@ -69,7 +69,7 @@ class _Plan:
                 guards = _keep_roots(keep, call)
             self.reach = MODEL.reach(roots)
             guards.sort(key=lambda g: g[0] not in self.reach)  # explain by nearest protector
-            self.protected = MODEL.reach(n for n, _ in guards)
+            self.protected = MODEL.reach((n for n, _ in guards), through_released=False)
             self.guard_text = dict(reversed(guards))
             self.branch = [n for n in self.reach if n not in self.protected]
             self.handles = [h for n in self.branch for h in MODEL.live_handles(n)]
@@ -117,9 +117,7 @@ class _Plan:
         for h in self.handles:
             h.release(self.reason)
         with MODEL.lock:
-            for n in self.branch:
-                if n in MODEL.graph and MODEL.graph.nodes[n]["handles"]:
-                    MODEL.graph.nodes[n]["released"] = True
+            MODEL.released.update(n for n in self.branch if n in MODEL.graph and MODEL.graph.nodes[n]["handles"])
         self.handles = []
 
 
@@ -176,10 +174,10 @@ def explain(y: torch.Tensor | Sequence[torch.Tensor], keep=None) -> PruneReport:
         >>> w = torch.ones(4, requires_grad=True)
         >>> with gp.track():
         ...     x = w.exp()
-        ...     y1 = (x * x).sum()
+        ...     y1 = x.sin().cos().sum()
         >>> print(gp.explain(y1, keep=x))  # doctest: +ELLIPSIS
-        graphprune.explain would release 2 saved tensor(s) of 1 node(s): 16 B freed
-          nodes: MulBackward0
+        graphprune.explain would release 2 saved tensor(s) of 2 node(s): 16 B freed
+          nodes: CosBackward0, SinBackward0
           kept by the trunk: 16 B
           kept 2 node(s), 16 B: keep: tensor of shape (4,), torch.float32, created at ...
     """
@@ -206,7 +204,7 @@ def backward(tensors, gradient=None, keep=None, inputs=None, create_graph: bool 
         2
         >>> x.sum().backward()
         >>> w.grad
-        tensor([32.6194, 32.6194, 32.6194, 32.6194])
+        tensor([17.4964, 17.4964, 17.4964, 17.4964])
     """
     plan = _Plan("graphprune.backward", tensors, keep, arg="tensors")
     report = plan.report("graphprune.backward", dry_run=False)

@@ -98,14 +98,14 @@ def snapshot(tape_id: int | None = None) -> nx.DiGraph:
     with MODEL.lock:
         MODEL.purge()
         g = MODEL.graph
-        trunk = MODEL.reach(node_id for node_id, _ in LIVE.roots())
+        trunk = MODEL.reach((node_id for node_id, _ in LIVE.roots()), through_released=False)
         keep = [n for n, d in g.nodes(data=True) if tape_id is None or d["tape"] == tape_id]
         out = nx.DiGraph()
         for n in keep:
             d = g.nodes[n]
             handles = [h for h in (r() for r in d["handles"]) if h is not None]
             live = [h for h in handles if not h.released]
-            if d.get("released"):
+            if n in MODEL.released:
                 state = "released"
             elif d["tape"] is None or d["foreign"]:
                 state = "untracked"
