@@ -91,7 +91,7 @@ class GraphModel:
         self.graph = nx.DiGraph()
         self.lock = threading.RLock()
         self._dead: collections.deque[int] = collections.deque()
-        self.released: set[int] = set()  # nodes whose saved tensors graphprune let go
+        self.released: set[int] = set()  # branch nodes of finished prunes
 
     def mark_dead(self, node_id: int) -> None:
         self._dead.append(node_id)  # atomic; may run in any thread, inside any call

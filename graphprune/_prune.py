@@ -117,7 +117,9 @@ class _Plan:
         for h in self.handles:
             h.release(self.reason)
         with MODEL.lock:
-            MODEL.released.update(n for n in self.branch if n in MODEL.graph and MODEL.graph.nodes[n]["handles"])
+            # The whole branch is finished, not only nodes that saved something: a
+            # finished output no longer protects what lies behind it.
+            MODEL.released.update(n for n in self.branch if n in MODEL.graph)
         self.handles = []
 
 

@@ -1,0 +1,48 @@
+"""On a GPU, memory is really given back to the caching allocator."""
+
+import pytest
+import torch
+
+import graphprune as gp
+
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+MiB = 2**20
+N = 64 * MiB // 4
+
+
+def _branchy(w):
+    with gp.track():
+        x = w.exp()
+        y1 = x.sin().cos().sin().cos().sum()  # 3 branch-only activations of 64 MiB
+    return x, y1
+
+
+def test_prune_after_lowers_allocated_bytes():
+    w = torch.randn(N, device="cuda", requires_grad=True)
+    x, y1 = _branchy(w)
+    y1.backward(retain_graph=True)
+    torch.cuda.synchronize()
+    before = torch.cuda.memory_allocated()
+    report = gp.prune_after(y1, keep=x)
+    after = torch.cuda.memory_allocated()
+    assert report.bytes_freed == 3 * 64 * MiB
+    assert before - after == 3 * 64 * MiB
+    x.sum().backward()
+
+
+def test_backward_keep_peak_is_lower_than_retain_graph():
+    peaks = {}
+    for mode in ("retain", "keep"):
+        w = torch.randn(N, device="cuda", requires_grad=True)
+        x, y1 = _branchy(w)
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        start = torch.cuda.memory_allocated()
+        if mode == "retain":
+            y1.backward(retain_graph=True)
+            gp.prune_after(y1, keep=x)
+        else:
+            gp.backward(y1, keep=x)
+        peaks[mode] = torch.cuda.max_memory_allocated() - start
+        del w, x, y1
+    assert peaks["retain"] - peaks["keep"] >= 2 * 64 * MiB, peaks

@@ -1,0 +1,77 @@
+"""``tape.graph()``: the networkx model users see, and what holding it costs."""
+
+import networkx as nx
+import torch
+
+import graphprune as gp
+
+
+def _two_heads():
+    w = torch.ones(4, requires_grad=True)
+    with gp.track() as tape:
+        x = w.exp()
+        y1 = x.sin().sum()
+        y2 = (x * x).sum()
+    return tape, w, x, y1, y2
+
+
+def _by_op(graph):
+    out = {}
+    for _, d in graph.nodes(data=True):
+        out.setdefault(d["op"], []).append(d)
+    return out
+
+
+def test_graph_nodes_edges_and_attributes():
+    tape, _, _, y1, y2 = _two_heads()
+    g = tape.graph()
+    assert isinstance(g, nx.DiGraph)
+    assert nx.is_directed_acyclic_graph(g)
+    ops = _by_op(g)
+    assert set(ops) == {"ExpBackward0", "SinBackward0", "MulBackward0", "SumBackward0", "AccumulateGrad"}
+    assert ops["MulBackward0"][0]["saved_tensors"] == 2
+    assert ops["MulBackward0"][0]["saved_bytes"] == 16  # x, twice, counted once
+    assert {d["state"] for d in g.nodes.values()} == {"trunk"}
+    sources = [n for n in g if g.in_degree(n) == 0]
+    assert sorted(g.nodes[n]["op"] for n in sources) == ["SumBackward0", "SumBackward0"]
+    exp = next(n for n, d in g.nodes(data=True) if d["op"] == "ExpBackward0")
+    assert [g.nodes[n]["op"] for n in g.successors(exp)] == ["AccumulateGrad"]
+
+
+def test_graph_states_after_prune():
+    tape, _, x, y1, y2 = _two_heads()
+    y1.backward(retain_graph=True)
+    gp.prune_after(y1, keep=[x, y2])
+    ops = _by_op(tape.graph())
+    assert ops["SinBackward0"][0]["state"] == "released"
+    assert ops["SinBackward0"][0]["saved_tensors"] == 0
+    assert ops["MulBackward0"][0]["state"] == "trunk"
+    logged = y2 * 2  # built outside track(): not a protector
+    del x, y2
+    states = {d["op"]: d["state"] for d in tape.graph().nodes.values()}
+    assert states["MulBackward0"] == "branch"  # no live tracked tensor reaches it now
+    assert logged.requires_grad
+
+
+def test_graph_marks_untracked_and_foreign_nodes():
+    w = torch.ones(4, requires_grad=True)
+    outside = w.exp()
+    with gp.track() as tape:
+        with torch.autograd.graph.save_on_cpu():
+            h = outside.sin()
+        y = (h * h).sum()
+    states = {d["op"]: d["state"] for d in tape.graph().nodes.values()}
+    assert states["SinBackward0"] == "untracked"
+    assert states["MulBackward0"] == "trunk"
+    assert "ExpBackward0" not in states  # built before the tape opened
+    assert y.requires_grad
+
+
+def test_holding_graph_and_report_holds_no_tensor():
+    tape, w, x, y1, y2 = _two_heads()
+    g = tape.graph()
+    report = gp.explain(y1)
+    for _, d in g.nodes(data=True):
+        assert all(isinstance(v, (int, str)) for v in d.values())
+    assert all(isinstance(k.reason, str) for k in report.kept)
+    assert repr(tape).startswith("<graphprune.Tape")
