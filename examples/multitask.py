@@ -27,7 +27,8 @@ labels = torch.randint(0, 10, (16,))
 
 def losses(m):
     feat = m["trunk"](images)
-    return feat, F.binary_cross_entropy_with_logits(m["seg"](feat), masks), F.cross_entropy(m["cls"](feat), labels)
+    seg_loss = F.binary_cross_entropy_with_logits(m["seg"](feat), masks)
+    return feat, seg_loss, F.cross_entropy(m["cls"](feat), labels)
 
 
 # Plain PyTorch: retain_graph=True keeps both heads' graphs until the end.

@@ -21,10 +21,9 @@ import collections
 import itertools
 import threading
 import weakref
-from typing import Iterable
+from collections.abc import Iterable
 
 import networkx as nx
-import torch
 
 from ._saved import SavedHandle
 
@@ -145,14 +144,7 @@ class GraphModel:
 MODEL = GraphModel()
 
 
-def _claim(node) -> list[weakref.ref]:
-    refs = pending_handles().pop(node._sequence_nr(), ())
-    return [r for r in refs if r() is not None]
-
-
-def stamp(
-    root, tape_id: int | None = None, foreign: bool = False, where: str = "", since: int = 0
-) -> int:
+def stamp(root, tape_id: int | None = None, foreign: bool = False, since: int = 0) -> int:
     """Record ``root`` and every node below it not seen before; return ``root``'s id.
 
     Nodes are walked with a stack, never recursion. A node gets the saved handles
@@ -173,26 +165,18 @@ def stamp(
         node.metadata[_KEY] = rec
         found.append((rec, node, children))
         stack.extend(children)
+    pending = pending_handles()
     for rec, node, children in found:
-        handles = _claim(node)
+        seq = node._sequence_nr()
+        handles = [r for r in pending.pop(seq, ()) if r() is not None] or ()
         for ref in handles:
             ref().node_name = rec.name
         if handles:
             owner_tape = handles[0]().tape_id
         else:
-            owner_tape = tape_id if node._sequence_nr() >= since else None
-        attrs = {
-            "op": rec.name,
-            "tape": owner_tape,
-            "handles": handles,
-            "foreign": foreign and not handles,
-            "where": where,
-        }
+            owner_tape = tape_id if seq >= since else None
+        attrs = {"op": rec.name, "tape": owner_tape, "handles": handles, "foreign": foreign and not handles}
         MODEL.add(rec, [c.metadata[_KEY].id for c in children], attrs)
     return root.metadata[_KEY].id
 
 
-def node_of(t: torch.Tensor, tape_id: int | None = None, where: str = "") -> int | None:
-    """Id of ``t.grad_fn`` (stamped now if needed), or ``None`` for a leaf."""
-    fn = t.grad_fn
-    return None if fn is None else stamp(fn, tape_id, where=where)

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import collections
-from typing import Sequence
+from collections.abc import Sequence
 
 import torch
 from torch.autograd.graph import Node
@@ -64,7 +64,8 @@ class _Plan:
             MODEL.purge()
             roots = [stamp(t.grad_fn) for t in ys]
             if keep is None:
-                guards = [(n, f"still reachable from the live {e.describe()}") for n, e in LIVE.roots(tuple(ys))]
+                live = LIVE.roots(tuple(ys))
+                guards = [(n, f"still reachable from the live {e.describe()}") for n, e in live]
             else:
                 guards = _keep_roots(keep, call)
             self.reach = MODEL.reach(roots)
@@ -159,7 +160,7 @@ def prune_after(y: torch.Tensor | Sequence[torch.Tensor], keep=None) -> PruneRep
         >>> y1.backward()
         Traceback (most recent call last):
         ...
-        graphprune.errors.ReleasedTensorError: graphprune: a backward pass needs a saved tensor of MulBackward0 that was released by graphprune.prune_after(...). ...
+        graphprune.errors.ReleasedTensorError: graphprune: a backward pass needs a saved tensor of MulBackward0 ...
     """
     plan = _Plan("graphprune.prune_after", y, keep)
     report = plan.report("graphprune.prune_after", dry_run=False)

@@ -7,7 +7,6 @@ import os
 import sys
 import threading
 import weakref
-from dataclasses import dataclass
 
 import networkx as nx
 import torch
@@ -23,17 +22,24 @@ _TORCH_DIR = os.path.dirname(torch.__file__)
 _OWN_DIR = os.path.dirname(__file__)
 
 
-@dataclass(frozen=True)
-class LiveTensor:
-    """A tensor created under ``track()``, described without holding it."""
+class LiveTensor(weakref.ref):
+    """A weak reference to a tensor created under ``track()``, with what describes it."""
 
-    ref: weakref.ref
-    shape: tuple
-    dtype: torch.dtype
-    where: str
+    __slots__ = ("key", "shape", "dtype", "where")
+
+    def __new__(cls, t, callback, where):
+        return super().__new__(cls, t, callback)
+
+    def __init__(self, t: torch.Tensor, callback, where: tuple[str, int]):
+        super().__init__(t, callback)
+        self.key = id(t)
+        self.shape = tuple(t.shape)
+        self.dtype = t.dtype
+        self.where = where
 
     def describe(self) -> str:
-        return f"tensor of shape {tuple(self.shape)}, {self.dtype}, created at {self.where}"
+        path, line = self.where
+        return f"tensor of shape {self.shape}, {self.dtype}, created at {os.path.basename(path)}:{line}"
 
 
 class _LiveTensors:
@@ -42,25 +48,21 @@ class _LiveTensors:
     def __init__(self) -> None:
         self._by_id: dict[int, LiveTensor] = {}
 
-    def add(self, t: torch.Tensor, where: str) -> None:
-        key = id(t)
-        if key in self._by_id and self._by_id[key].ref() is t:
-            return
-        by_id = self._by_id
+    def _forget(self, ref: LiveTensor) -> None:
+        if self._by_id.get(ref.key) is ref:
+            del self._by_id[ref.key]
 
-        def forget(ref, key=key, by_id=by_id):
-            entry = by_id.get(key)
-            if entry is not None and entry.ref is ref:
-                del by_id[key]
-
-        self._by_id[key] = LiveTensor(weakref.ref(t, forget), tuple(t.shape), t.dtype, where)
+    def add(self, t: torch.Tensor, where: tuple[str, int]) -> None:
+        entry = self._by_id.get(id(t))
+        if entry is None or entry() is not t:
+            self._by_id[id(t)] = LiveTensor(t, self._forget, where)
 
     def roots(self, exclude: tuple = ()) -> list[tuple[int, LiveTensor]]:
         """``(node id, entry)`` of each live tensor not in ``exclude``, whose graph
         is found again through its current ``grad_fn`` (in-place ops move it)."""
         out = []
         for entry in list(self._by_id.values()):
-            t = entry.ref()
+            t = entry()
             if t is None or any(t is e for e in exclude):
                 continue
             fn = t.grad_fn
@@ -70,23 +72,38 @@ class _LiveTensors:
 
     def describe(self, t: torch.Tensor) -> str:
         entry = self._by_id.get(id(t))
-        if entry is not None and entry.ref() is t:
+        if entry is not None and entry() is t:
             return entry.describe()
         return f"tensor of shape {tuple(t.shape)}, {t.dtype}"
 
 
 LIVE = _LiveTensors()
+_library_code: dict = {}
 
 
-def _caller() -> str:
-    """``file:line`` of the first frame outside torch and graphprune."""
+def _caller() -> tuple[str, int]:
+    """``(file, line)`` of the first frame outside torch and graphprune."""
     frame = sys._getframe(2)
     while frame is not None:
-        path = frame.f_code.co_filename
-        if not (path.startswith(_TORCH_DIR) or path.startswith(_OWN_DIR)):
-            return f"{os.path.basename(path)}:{frame.f_lineno}"
+        code = frame.f_code
+        inside = _library_code.get(code)
+        if inside is None:
+            path = code.co_filename
+            inside = _library_code[code] = path.startswith(_TORCH_DIR) or path.startswith(_OWN_DIR)
+        if not inside:
+            return code.co_filename, frame.f_lineno
         frame = frame.f_back
-    return "<unknown>"
+    return "<unknown>", 0
+
+
+def _owner_seq(t: torch.Tensor, seq: int) -> int:
+    """Sequence number of the node that saves ``t``: the last one built (DESIGN.md
+    fact 4), except for in-place ops that save their input as it was (``mul_``,
+    ``clamp_min_``): they save a clone, whose own CloneBackward0 came after them."""
+    fn = t.grad_fn
+    if fn is not None and fn._sequence_nr() == seq and fn.name() == "CloneBackward0":
+        return seq - 1
+    return seq
 
 
 def _is_own_hook(hooks) -> bool:
@@ -96,7 +113,7 @@ def _is_own_hook(hooks) -> bool:
 class _OutputRecorder(TorchFunctionMode):
     """Sees every Python-level torch call under the tape and records its outputs."""
 
-    def __init__(self, tape: "Tape"):
+    def __init__(self, tape: Tape):
         super().__init__()
         self.tape = tape
 
@@ -128,7 +145,7 @@ class Tape:
 
     # -- hooks ---------------------------------------------------------------------
     def _pack(self, t: torch.Tensor) -> SavedHandle:
-        seq = torch._C._autograd._get_sequence_nr() - 1
+        seq = _owner_seq(t, torch._C._autograd._get_sequence_nr() - 1)
         handle = SavedHandle(t, seq, self.id)
         pending = pending_handles()
         pending.setdefault(seq, []).append(weakref.ref(handle))
@@ -143,11 +160,11 @@ class Tape:
             return
         top = torch._C._autograd._top_saved_tensors_default_hooks(False)
         where = _caller()
-        stamp(fn, self.id, foreign=not _is_own_hook(top), where=where, since=self._first_seq)
+        stamp(fn, self.id, foreign=not _is_own_hook(top), since=self._first_seq)
         LIVE.add(t, where)
 
     # -- context manager ---------------------------------------------------------------
-    def __enter__(self) -> "Tape":
+    def __enter__(self) -> Tape:
         if self._hooks is not None:
             raise RuntimeError("graphprune.track: this tape is already active; use a new track()")
         self._thread = threading.get_ident()

@@ -126,3 +126,15 @@ def test_report_str_is_readable(branch):
     assert text.startswith("graphprune.explain would release 2 saved tensor(s) of 1 node(s)")
     assert "MulBackward0" in text
     assert "kept" in text
+
+
+def test_inplace_op_saving_its_input_clone_is_released():
+    """Guards the bug where ``clamp_min_`` saved a clone under CloneBackward0's number."""
+    w = torch.randn(100, dtype=torch.float64, requires_grad=True)
+    with gp.track():
+        y1 = (w * 1.0).clamp_min_(0).sum()
+    y1.backward(retain_graph=True)
+    report = gp.prune_after(y1)
+    assert report.released_nodes == {"ClampMinBackward0": 1}
+    with pytest.raises(gp.ReleasedTensorError, match="ClampMinBackward0"):
+        y1.backward()

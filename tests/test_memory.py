@@ -6,6 +6,7 @@ import weakref
 import torch
 
 import graphprune as gp
+
 from _subprocess import run_script
 
 MiB = 2**20

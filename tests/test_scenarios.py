@@ -8,6 +8,7 @@ from torch.nn import functional as F
 from torch.testing import assert_close
 
 import graphprune as gp
+
 from conftest import grads_of
 
 
