@@ -22,10 +22,12 @@ import itertools
 import threading
 import weakref
 from collections.abc import Iterable
+from typing import TYPE_CHECKING
 
 import networkx as nx
 
-from ._saved import SavedHandle
+if TYPE_CHECKING:
+    from ._saved import SavedHandle
 
 __all__ = ["NodeRecord", "GraphModel", "MODEL", "record_of", "stamp"]
 
@@ -53,12 +55,13 @@ def pending_handles() -> dict[int, list[weakref.ref]]:
 class NodeRecord:
     """What graphprune knows about one autograd node; lives in ``node.metadata``."""
 
-    __slots__ = ("id", "name", "children")
+    __slots__ = ("id", "name", "children", "guarded")
 
     def __init__(self, node_id: int, name: str, children: list):
         self.id = node_id
         self.name = name
         self.children = children  # wrappers; see NOTE [ Deep graphs and Python wrappers ]
+        self.guarded = False  # zero-pass hooks registered; see _zero.py
 
     def __del__(self) -> None:
         try:
@@ -137,7 +140,7 @@ class GraphModel:
         return owner
 
     def live_handles(self, node_id: int) -> list[SavedHandle]:
-        refs = self.graph.nodes[node_id].get("handles", ())
+        refs = self.graph._node[node_id]["handles"]
         return [h for h in (r() for r in refs) if h is not None and not h.released]
 
 
@@ -154,6 +157,9 @@ def stamp(root, tape_id: int | None = None, foreign: bool = False, since: int = 
     built before the tape opened); ``None`` leaves nodes untracked unless they own
     handles. ``foreign`` marks nodes built while other hooks were innermost.
     """
+    rec = root.metadata.get(_KEY)
+    if rec is not None:  # the common case: seen before
+        return rec.id
     found = []
     stack = [root]
     while stack:

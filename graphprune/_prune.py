@@ -8,10 +8,11 @@ from collections.abc import Sequence
 import torch
 from torch.autograd.graph import Node
 
-from ._graph import MODEL, stamp
+from ._graph import MODEL, record_of, stamp
 from ._report import KeptReason, PruneReport, exclusive_bytes, unique_bytes
 from ._saved import SavedHandle
 from ._tape import LIVE
+from ._zero import guard_released
 
 __all__ = ["prune_after", "explain", "backward", "grad"]
 
@@ -57,7 +58,7 @@ class _Plan:
     """The partition of the graph behind ``outputs`` into kept and released nodes."""
 
     def __init__(self, call: str, outputs, keep, arg: str = "y"):
-        ys = _as_outputs(outputs, call, arg)
+        ys = self.outputs = _as_outputs(outputs, call, arg)
         described = ", ".join(LIVE.describe(t) for t in ys)
         self.reason = f"{call}({described})"
         with MODEL.lock:
@@ -73,15 +74,23 @@ class _Plan:
             self.protected = MODEL.reach((n for n, _ in guards), through_released=False)
             self.guard_text = dict(reversed(guards))
             self.branch = [n for n in self.reach if n not in self.protected]
-            self.handles = [h for n in self.branch for h in MODEL.live_handles(n)]
-            self.report_args = self._measure()
+            self.handles, self.report_args = self._measure()
 
-    def _measure(self) -> dict:
-        graph = MODEL.graph.nodes
-        released_nodes = collections.Counter(graph[n]["op"] for n in self.branch if MODEL.live_handles(n))
+    def _measure(self) -> tuple[list[SavedHandle], dict]:
+        """The branch's live handles, and the report's numbers, in one pass."""
+        data = MODEL.graph._node
+        released: collections.Counter = collections.Counter()
+        handles: list[SavedHandle] = []
+        self.saving_nodes = set()
+        for n in self.branch:
+            live = MODEL.live_handles(n)
+            if live:
+                released[data[n]["op"]] += 1
+                handles += live
+                self.saving_nodes.add(n)
         kept_by: dict[str, list[int]] = collections.defaultdict(list)
         for n in self.reach:
-            d = graph[n]
+            d = data[n]
             if d["foreign"]:
                 kept_by["saved under other saved-tensor hooks (checkpoint, save_on_cpu, ...)"].append(n)
             elif d["tape"] is None and not d["op"].endswith("AccumulateGrad"):
@@ -94,10 +103,10 @@ class _Plan:
             held = [h for n in nodes for h in MODEL.live_handles(n)]
             trunk += held
             kept.append(KeptReason(reason, len(nodes), unique_bytes(held)))
-        return dict(
-            released_nodes=dict(released_nodes),
-            released_tensors=len(self.handles),
-            bytes_freed=exclusive_bytes(self.handles),
+        return handles, dict(
+            released_nodes=dict(released),
+            released_tensors=len(handles),
+            bytes_freed=exclusive_bytes(handles),
             bytes_kept=unique_bytes(trunk),
             kept=tuple(kept),
         )
@@ -114,7 +123,22 @@ class _Plan:
         for h in self.handles:
             h.release_on_unpack = None
 
+    def _saving_wrappers(self):
+        """The branch nodes that saved something, walked from the outputs."""
+        branch, seen = set(self.branch), set()
+        stack = [t.grad_fn for t in self.outputs]
+        while stack:
+            node = stack.pop()
+            rec = record_of(node)
+            if rec is None or rec.id not in branch or rec.id in seen:
+                continue
+            seen.add(rec.id)
+            if rec.id in self.saving_nodes:
+                yield node
+            stack.extend(fn for fn, _ in node.next_functions if fn is not None)
+
     def release(self) -> None:
+        guard_released(self._saving_wrappers())
         for h in self.handles:
             h.release(self.reason)
         with MODEL.lock:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import torch
 
+from ._zero import in_zero_pass
 from .errors import InplaceModifiedError, ReleasedTensorError
 
 __all__ = ["SavedHandle", "storage_of"]
@@ -42,6 +43,7 @@ class SavedHandle:
         "nbytes",
         "released_by",
         "release_on_unpack",
+        "meta",
         "__weakref__",
     )
 
@@ -54,6 +56,7 @@ class SavedHandle:
         self.storage_key, self.nbytes = storage_of(t)
         self.released_by: str | None = None
         self.release_on_unpack: str | None = None
+        self.meta: tuple | None = None  # shape, dtype, device of a released tensor
 
     @property
     def released(self) -> bool:
@@ -61,7 +64,9 @@ class SavedHandle:
 
     def release(self, reason: str) -> None:
         """Drop the tensor; a later unpack raises :class:`ReleasedTensorError` naming ``reason``."""
-        if self.tensor is not None:
+        t = self.tensor
+        if t is not None:
+            self.meta = (t.shape, t.dtype, t.device)
             self.tensor = None
             self.released_by = reason
         self.release_on_unpack = None
@@ -70,6 +75,9 @@ class SavedHandle:
         """Return the saved tensor for a backward pass, checking what PyTorch skips with hooks."""
         t = self.tensor
         if t is None:
+            if in_zero_pass():  # NOTE [ Zero-gradient passes through released nodes ]
+                shape, dtype, device = self.meta
+                return torch.zeros((), dtype=dtype, device=device).expand(shape)
             raise ReleasedTensorError(self._released_message())
         if t._version != self.version:
             raise InplaceModifiedError(self._inplace_message(t))

@@ -1,0 +1,55 @@
+"""Later passes through released nodes with all-zero gradients (DESIGN.md fact 9).
+
+``losses = torch.stack([l0, l1, ...])``: ``losses[1].backward()`` runs head 0's
+nodes too, with zero gradients. Once head 0 is pruned, that must still work.
+"""
+
+import pytest
+import torch
+from torch.testing import assert_close
+
+import graphprune as gp
+
+HEADS = {
+    "sin": lambda x: x.sin().sum(),
+    "div": lambda x: (x / (x - 0.5)).sum(),  # on zero placeholders: 0 / 0 = NaN
+    "log": lambda x: x.log().sum(),  # likewise
+    "acos": lambda x: (x * 0.1).acos().sum(),
+}
+
+
+def _stacked(w, heads):
+    x = w.exp()
+    per_head = [h(x) for h in heads]
+    return x, per_head, torch.stack(per_head)
+
+
+@pytest.mark.parametrize("name", sorted(HEADS))
+def test_stacked_losses_each_backward_matches_plain(name):
+    heads = [HEADS[name], lambda x: (x * x).sum(), lambda x: x.tanh().sum()]
+    w0 = torch.linspace(-1.0, 0.3, 5)
+    w = w0.clone().requires_grad_()
+    _, _, losses = _stacked(w, heads)
+    expected = [torch.autograd.grad(losses[i], w, retain_graph=True)[0] for i in range(len(heads))]
+
+    w = w0.clone().requires_grad_()
+    with gp.track():
+        x, per_head, losses = _stacked(w, heads)
+    for i in range(len(heads)):
+        (got,) = torch.autograd.grad(losses[i], w, retain_graph=True)
+        assert_close(got, expected[i])
+        report = gp.prune_after(per_head[i], keep=[x, *per_head[i + 1 :]])
+        assert report.released_tensors >= 1
+
+
+def test_nonzero_gradient_into_released_node_still_raises():
+    w = torch.linspace(0.1, 0.9, 4).requires_grad_()
+    with gp.track():
+        x, per_head, losses = _stacked(w, [HEADS["sin"], lambda t: (t * t).sum()])
+    losses[0].backward(retain_graph=True)
+    gp.prune_after(per_head[0], keep=[x, per_head[1]])
+    w.grad = None
+    losses[1].backward(retain_graph=True)  # head 0 gets zeros: fine
+    assert_close(w.grad, 2 * w.detach().exp() ** 2)
+    with pytest.raises(gp.ReleasedTensorError, match="SinBackward0"):
+        losses.sum().backward()  # head 0 gets ones: its tensors are gone
