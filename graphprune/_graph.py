@@ -107,13 +107,27 @@ class GraphModel:
                     self.graph.remove_node(node_id)
                 self.released.discard(node_id)
 
-    def add(self, rec: NodeRecord, child_ids: list[int], attrs: dict) -> None:
+    def add(self, nodes: list[tuple[int, dict, list[int]]]) -> None:
+        """Add new nodes ``(id, attributes, child ids)``; each child is new or known.
+
+        This runs for every autograd node built under ``track()``, so it fills
+        networkx's adjacency dicts directly (the layout ``DiGraph`` documents:
+        ``_node``, ``_succ``, ``_pred``) instead of paying ``add_node``/``add_edge``.
+        """
+        g = self.graph
+        node, succ, pred = g._node, g._succ, g._pred
         with self.lock:
             if len(self._dead) > 4096:
                 self.purge()
-            self.graph.add_node(rec.id, **attrs)
-            for child in child_ids:
-                self.graph.add_edge(rec.id, child)
+            for n, attrs, _ in nodes:
+                node[n] = attrs
+                succ[n] = {}
+                pred[n] = {}
+            for n, _, children in nodes:
+                out = succ[n]
+                for child in children:
+                    out[child] = pred[child][n] = {}
+            nx._clear_cache(g)
 
     def reach(self, sources: Iterable[int], through_released: bool = True) -> dict[int, int]:
         """Nodes reachable from ``sources`` (themselves included), each with the
@@ -172,6 +186,7 @@ def stamp(root, tape_id: int | None = None, foreign: bool = False, since: int = 
         found.append((rec, node, children))
         stack.extend(children)
     pending = pending_handles()
+    new = []
     for rec, node, children in found:
         seq = node._sequence_nr()
         handles = [r for r in pending.pop(seq, ()) if r() is not None] or ()
@@ -182,7 +197,8 @@ def stamp(root, tape_id: int | None = None, foreign: bool = False, since: int = 
         else:
             owner_tape = tape_id if seq >= since else None
         attrs = {"op": rec.name, "tape": owner_tape, "handles": handles, "foreign": foreign and not handles}
-        MODEL.add(rec, [c.metadata[_KEY].id for c in children], attrs)
+        new.append((rec.id, attrs, [c.metadata[_KEY].id for c in children]))
+    MODEL.add(new)
     return root.metadata[_KEY].id
 
 

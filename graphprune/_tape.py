@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import functools
 import itertools
 import os
 import sys
 import threading
 import weakref
+from typing import NamedTuple
 
 import networkx as nx
 import torch
@@ -22,24 +24,18 @@ _TORCH_DIR = os.path.dirname(torch.__file__)
 _OWN_DIR = os.path.dirname(__file__)
 
 
-class LiveTensor(weakref.ref):
-    """A weak reference to a tensor created under ``track()``, with what describes it."""
+class LiveTensor(NamedTuple):
+    """A tensor created under ``track()``: a weak reference and the line that made it."""
 
-    __slots__ = ("key", "shape", "dtype", "where")
-
-    def __new__(cls, t, callback, where):
-        return super().__new__(cls, t, callback)
-
-    def __init__(self, t: torch.Tensor, callback, where: tuple[str, int]):
-        super().__init__(t, callback)
-        self.key = id(t)
-        self.shape = tuple(t.shape)
-        self.dtype = t.dtype
-        self.where = where
+    ref: weakref.ref
+    where: tuple[str, int]
 
     def describe(self) -> str:
+        t = self.ref()
         path, line = self.where
-        return f"tensor of shape {self.shape}, {self.dtype}, created at {os.path.basename(path)}:{line}"
+        shape = "?" if t is None else tuple(t.shape)
+        dtype = "?" if t is None else t.dtype
+        return f"tensor of shape {shape}, {dtype}, created at {os.path.basename(path)}:{line}"
 
 
 class _LiveTensors:
@@ -48,21 +44,23 @@ class _LiveTensors:
     def __init__(self) -> None:
         self._by_id: dict[int, LiveTensor] = {}
 
-    def _forget(self, ref: LiveTensor) -> None:
-        if self._by_id.get(ref.key) is ref:
-            del self._by_id[ref.key]
+    def _forget(self, key: int, ref: weakref.ref) -> None:
+        entry = self._by_id.get(key)
+        if entry is not None and entry.ref is ref:
+            del self._by_id[key]
 
     def add(self, t: torch.Tensor, where: tuple[str, int]) -> None:
-        entry = self._by_id.get(id(t))
-        if entry is None or entry() is not t:
-            self._by_id[id(t)] = LiveTensor(t, self._forget, where)
+        key = id(t)
+        entry = self._by_id.get(key)
+        if entry is None or entry.ref() is not t:
+            self._by_id[key] = LiveTensor(weakref.ref(t, functools.partial(self._forget, key)), where)
 
     def roots(self, exclude: tuple = ()) -> list[tuple[int, LiveTensor]]:
         """``(node id, entry)`` of each live tensor not in ``exclude``, whose graph
         is found again through its current ``grad_fn`` (in-place ops move it)."""
         out = []
         for entry in list(self._by_id.values()):
-            t = entry()
+            t = entry.ref()
             if t is None or any(t is e for e in exclude):
                 continue
             fn = t.grad_fn
@@ -72,13 +70,13 @@ class _LiveTensors:
 
     def describe(self, t: torch.Tensor) -> str:
         entry = self._by_id.get(id(t))
-        if entry is not None and entry() is t:
+        if entry is not None and entry.ref() is t:
             return entry.describe()
         return f"tensor of shape {tuple(t.shape)}, {t.dtype}"
 
 
 LIVE = _LiveTensors()
-_library_code: dict = {}
+_library_code: dict[int, tuple] = {}  # id(code) -> (code, inside torch or graphprune)
 
 
 def _caller() -> tuple[str, int]:
@@ -86,11 +84,11 @@ def _caller() -> tuple[str, int]:
     frame = sys._getframe(2)
     while frame is not None:
         code = frame.f_code
-        inside = _library_code.get(code)
-        if inside is None:
+        known = _library_code.get(id(code))
+        if known is None or known[0] is not code:
             path = code.co_filename
-            inside = _library_code[code] = path.startswith(_TORCH_DIR) or path.startswith(_OWN_DIR)
-        if not inside:
+            known = _library_code[id(code)] = (code, path.startswith((_TORCH_DIR, _OWN_DIR)))
+        if not known[1]:
             return code.co_filename, frame.f_lineno
         frame = frame.f_back
     return "<unknown>", 0
