@@ -93,7 +93,8 @@ class GraphModel:
         self.graph = nx.DiGraph()
         self.lock = threading.RLock()
         self._dead: collections.deque[int] = collections.deque()
-        self.released: set[int] = set()  # branch nodes of finished prunes
+        self.released: set[int] = set()  # nodes that lost saved tensors to a prune
+        self.finished: set[int] = set()  # root nodes of pruned outputs
 
     def mark_dead(self, node_id: int) -> None:
         self._dead.append(node_id)  # atomic; may run in any thread, inside any call
@@ -106,6 +107,7 @@ class GraphModel:
                 if node_id in self.graph:
                     self.graph.remove_node(node_id)
                 self.released.discard(node_id)
+                self.finished.discard(node_id)
 
     def add(self, nodes: list[tuple[int, dict, list[int]]]) -> None:
         """Add new nodes ``(id, attributes, child ids)``; each child is new or known.
@@ -133,8 +135,9 @@ class GraphModel:
         """Nodes reachable from ``sources`` (themselves included), each with the
         first source that reached it (breadth-first, sources in the given order).
 
-        With ``through_released=False`` the walk stops at released nodes: a backward
-        pass that reaches one raises, so nothing behind it can be used that way.
+        With ``through_released=False`` the walk stops at nodes that lost saved
+        tensors: a pass that reaches one with a non-zero gradient raises, so nothing
+        behind it can be used that way (a zero-gradient pass needs nothing kept).
         """
         succ = self.graph._succ
         stop = () if through_released else self.released
@@ -157,11 +160,19 @@ class GraphModel:
         refs = self.graph._node[node_id]["handles"]
         return [h for h in (r() for r in refs) if h is not None and not h.released]
 
+    def attach(self, node_id: int, refs: list[weakref.ref]) -> None:
+        """Give ``node_id`` handles that no node's sequence number claimed."""
+        attrs = self.graph._node[node_id]
+        attrs["handles"] = [*attrs["handles"], *refs]
+        attrs["foreign"] = False
+
 
 MODEL = GraphModel()
 
 
-def stamp(root, tape_id: int | None = None, foreign: bool = False, since: int = 0) -> int:
+def stamp(
+    root, tape_id: int | None = None, foreign: bool = False, since: int = 0, window: range = range(0)
+) -> int:
     """Record ``root`` and every node below it not seen before; return ``root``'s id.
 
     Nodes are walked with a stack, never recursion. A node gets the saved handles
@@ -170,10 +181,19 @@ def stamp(root, tape_id: int | None = None, foreign: bool = False, since: int = 
     built the node if its sequence number is at least ``since`` (older nodes were
     built before the tape opened); ``None`` leaves nodes untracked unless they own
     handles. ``foreign`` marks nodes built while other hooks were innermost.
+    ``window`` holds the sequence numbers of the torch call that made ``root``:
+    handles packed in it that no visible node claims belong to the ``CopySlices``
+    it made (which hides the in-place op on a view that saved them), else to
+    ``root`` (an in-place op whose saved clone took the next sequence number).
     """
     rec = root.metadata.get(_KEY)
     if rec is not None:  # the common case: seen before
         return rec.id
+    with MODEL.lock:  # two threads may reach the same unstamped nodes
+        return _stamp_new(root, tape_id, foreign, since, window)
+
+
+def _stamp_new(root, tape_id, foreign, since, window) -> int:
     found = []
     stack = [root]
     while stack:
@@ -189,7 +209,7 @@ def stamp(root, tape_id: int | None = None, foreign: bool = False, since: int = 
     new = []
     for rec, node, children in found:
         seq = node._sequence_nr()
-        handles = [r for r in pending.pop(seq, ()) if r() is not None] or ()
+        handles = _alive(pending.pop(seq, ())) or ()
         for ref in handles:
             ref().node_name = rec.name
         if handles:
@@ -199,6 +219,25 @@ def stamp(root, tape_id: int | None = None, foreign: bool = False, since: int = 
         attrs = {"op": rec.name, "tape": owner_tape, "handles": handles, "foreign": foreign and not handles}
         new.append((rec.id, attrs, [c.metadata[_KEY].id for c in children]))
     MODEL.add(new)
+    owner = _stray_owner(found, root, window)
+    if owner is not None:
+        stray = [r for seq in window for r in _alive(pending.pop(seq, ()))]
+        if stray:
+            for ref in stray:
+                ref().node_name = owner.name
+            MODEL.attach(owner.id, stray)
     return root.metadata[_KEY].id
 
 
+def _stray_owner(found: list, root, window: range) -> NodeRecord | None:
+    """The new node that owns the handles of a call that no node claimed."""
+    for rec, node, _ in found:
+        if rec.name == "CopySlices" and node._sequence_nr() in window:
+            return rec
+    if found and root._sequence_nr() in window:
+        return found[0][0]
+    return None
+
+
+def _alive(refs) -> list[weakref.ref]:
+    return [r for r in refs if r() is not None]

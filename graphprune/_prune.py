@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import collections
+import functools
 from collections.abc import Sequence
 
 import torch
@@ -55,55 +56,68 @@ def _keep_roots(keep, call: str) -> list[tuple[int, str]]:
 
 
 class _Plan:
-    """The partition of the graph behind ``outputs`` into kept and released nodes."""
+    """The partition of the graph behind ``outputs`` into kept and released nodes.
 
-    def __init__(self, call: str, outputs, keep, arg: str = "y"):
+    ``extra`` are tensors protected besides ``keep`` (the gradients a
+    ``create_graph=True`` pass made, whose graphs lead back into the branch).
+    """
+
+    def __init__(self, call: str, outputs, keep, arg: str = "y", extra=()):
         ys = self.outputs = _as_outputs(outputs, call, arg)
         described = ", ".join(LIVE.describe(t) for t in ys)
         self.reason = f"{call}({described})"
+        self._hooks: list = []
         with MODEL.lock:
             MODEL.purge()
             roots = [stamp(t.grad_fn) for t in ys]
             if keep is None:
-                live = LIVE.roots(tuple(ys))
+                live = [(n, e) for n, e in LIVE.roots(tuple(ys)) if n not in MODEL.finished]
                 guards = [(n, f"still reachable from the live {e.describe()}") for n, e in live]
             else:
                 guards = _keep_roots(keep, call)
+            guards += [(stamp(t.grad_fn), "the graph of a gradient made with create_graph=True")
+                       for t in extra if t is not None and t.grad_fn is not None]
             self.reach = MODEL.reach(roots)
             guards.sort(key=lambda g: g[0] not in self.reach)  # explain by nearest protector
             self.protected = MODEL.reach((n for n, _ in guards), through_released=False)
             self.guard_text = dict(reversed(guards))
             self.branch = [n for n in self.reach if n not in self.protected]
-            self.handles, self.report_args = self._measure()
+            self.roots = [n for n in roots if n not in self.protected]
+            self.handles_by_node, self.report_args = self._measure()
 
-    def _measure(self) -> tuple[list[SavedHandle], dict]:
-        """The branch's live handles, and the report's numbers, in one pass."""
+    def _measure(self) -> tuple[dict[int, list[SavedHandle]], dict]:
+        """The branch's live handles by node, and the report's numbers, in one pass."""
         data = MODEL.graph._node
         released: collections.Counter = collections.Counter()
-        handles: list[SavedHandle] = []
-        self.saving_nodes = set()
+        by_node: dict[int, list[SavedHandle]] = {}
         for n in self.branch:
             live = MODEL.live_handles(n)
             if live:
                 released[data[n]["op"]] += 1
-                handles += live
-                self.saving_nodes.add(n)
+                by_node[n] = live
         kept_by: dict[str, list[int]] = collections.defaultdict(list)
+        unknown = set()
         for n in self.reach:
             d = data[n]
             if d["foreign"]:
-                kept_by["saved under other saved-tensor hooks (checkpoint, save_on_cpu, ...)"].append(n)
+                reason = "saved under other saved-tensor hooks (checkpoint, save_on_cpu, ...)"
             elif d["tape"] is None and not d["op"].endswith("AccumulateGrad"):
-                kept_by["built outside graphprune.track(); PyTorch holds its saved tensors"].append(n)
+                reason = "built outside graphprune.track(); PyTorch holds its saved tensors"
             elif n in self.protected:
                 kept_by[self.guard_text[self.protected[n]]].append(n)
+                continue
+            else:
+                continue
+            kept_by[reason].append(n)
+            unknown.add(reason)
         trunk: list[SavedHandle] = []
         kept = []
         for reason, nodes in kept_by.items():
             held = [h for n in nodes for h in MODEL.live_handles(n)]
             trunk += held
-            kept.append(KeptReason(reason, len(nodes), unique_bytes(held)))
-        return handles, dict(
+            kept.append(KeptReason(reason, len(nodes), None if reason in unknown else unique_bytes(held)))
+        handles = [h for live in by_node.values() for h in live]
+        return by_node, dict(
             released_nodes=dict(released),
             released_tensors=len(handles),
             bytes_freed=exclusive_bytes(handles),
@@ -114,17 +128,8 @@ class _Plan:
     def report(self, call: str, dry_run: bool) -> PruneReport:
         return PruneReport(call=call, dry_run=dry_run, **self.report_args)
 
-    def arm(self) -> None:
-        """Let each branch handle go as soon as its node has unpacked it."""
-        for h in self.handles:
-            h.release_on_unpack = self.reason
-
-    def disarm(self) -> None:
-        for h in self.handles:
-            h.release_on_unpack = None
-
     def _saving_wrappers(self):
-        """The branch nodes that saved something, walked from the outputs."""
+        """``(node id, wrapper)`` of the branch nodes that saved something."""
         branch, seen = set(self.branch), set()
         stack = [t.grad_fn for t in self.outputs]
         while stack:
@@ -133,19 +138,79 @@ class _Plan:
             if rec is None or rec.id not in branch or rec.id in seen:
                 continue
             seen.add(rec.id)
-            if rec.id in self.saving_nodes:
-                yield node
+            if rec.id in self.handles_by_node:
+                yield rec.id, node
             stack.extend(fn for fn, _ in node.next_functions if fn is not None)
 
+    def arm(self) -> None:
+        """NOTE [ Release during backward ]: each branch node lets its handles go as
+        soon as it has run, as ``retain_graph=False`` would; a post-hook, not the
+        unpack hook, so a node may read its saved tensors more than once."""
+        for n, node in self._saving_wrappers():
+            release = functools.partial(_release_after_run, self.handles_by_node[n], self.reason)
+            self._hooks.append(node.register_hook(release))
+
+    def _disarm(self) -> None:
+        for hook in self._hooks:
+            hook.remove()
+        self._hooks = []
+
     def release(self) -> None:
-        guard_released(self._saving_wrappers())
-        for h in self.handles:
-            h.release(self.reason)
+        """Release every branch handle; the branch's roots protect nothing any more."""
+        self._disarm()
+        guard_released(node for _, node in self._saving_wrappers())
+        for live in self.handles_by_node.values():
+            for h in live:
+                h.release(self.reason)
         with MODEL.lock:
-            # The whole branch is finished, not only nodes that saved something: a
-            # finished output no longer protects what lies behind it.
-            MODEL.released.update(n for n in self.branch if n in MODEL.graph)
-        self.handles = []
+            MODEL.released.update(n for n in self.handles_by_node if n in MODEL.graph)
+            MODEL.finished.update(n for n in self.roots if n in MODEL.graph)
+
+    def abandon(self) -> None:
+        """The pass raised: keep what it had not used, and say where the rest went."""
+        self._disarm()
+        ran = [n for n, live in self.handles_by_node.items() if any(h.released for h in live)]
+        for n in ran:
+            for h in self.handles_by_node[n]:
+                if h.released:
+                    h.released_by = f"{self.reason}, whose pass raised before it finished"
+        guard_released(node for n, node in self._saving_wrappers() if n in ran)
+        with MODEL.lock:
+            MODEL.released.update(n for n in ran if n in MODEL.graph)
+
+
+def _release_after_run(handles: list[SavedHandle], reason: str, grad_inputs, grad_outputs):
+    for h in handles:
+        h.release(reason)
+
+
+def _leaf_grads(outputs: list[torch.Tensor], inputs) -> list[torch.Tensor]:
+    """The ``.grad`` a ``backward`` pass wrote: of ``inputs``, or of every leaf."""
+    if inputs is not None:
+        leaves = [inputs] if isinstance(inputs, torch.Tensor) else list(inputs)
+    else:
+        leaves, seen, stack = [], set(), [t.grad_fn for t in outputs]
+        while stack:
+            node = stack.pop()
+            if node is None or id(node) in seen:
+                continue
+            seen.add(id(node))
+            if hasattr(node, "variable"):
+                leaves.append(node.variable)
+            stack.extend(fn for fn, _ in node.next_functions)
+    return [t.grad for t in leaves if t.grad is not None]
+
+
+def _run(plan: _Plan, pass_fn):
+    """Run ``pass_fn`` (retaining the graph), freeing ``plan``'s branch as it goes."""
+    plan.arm()
+    try:
+        result = pass_fn()
+    except BaseException:
+        plan.abandon()
+        raise
+    plan.release()
+    return result
 
 
 def prune_after(y: torch.Tensor | Sequence[torch.Tensor], keep=None) -> PruneReport:
@@ -233,17 +298,16 @@ def backward(tensors, gradient=None, keep=None, inputs=None, create_graph: bool 
         >>> w.grad
         tensor([17.4964, 17.4964, 17.4964, 17.4964])
     """
-    plan = _Plan("graphprune.backward", tensors, keep, arg="tensors")
-    report = plan.report("graphprune.backward", dry_run=False)
-    plan.arm()
-    try:
-        torch.autograd.backward(
-            tensors, gradient, retain_graph=True, create_graph=create_graph, inputs=inputs
-        )
-    except BaseException:
-        plan.disarm()
-        raise
-    plan.release()
+    call = "graphprune.backward"
+    if create_graph:  # the gradients' graphs lead back into the branch: prune after
+        outputs = _as_outputs(tensors, call, "tensors")
+        torch.autograd.backward(tensors, gradient, retain_graph=True, create_graph=True, inputs=inputs)
+        plan = _Plan(call, tensors, keep, arg="tensors", extra=_leaf_grads(outputs, inputs))
+        plan.release()
+        return plan.report(call, dry_run=False)
+    plan = _Plan(call, tensors, keep, arg="tensors")
+    report = plan.report(call, dry_run=False)
+    _run(plan, lambda: torch.autograd.backward(tensors, gradient, retain_graph=True, inputs=inputs))
     return report
 
 
@@ -262,10 +326,8 @@ def grad(outputs, inputs, grad_outputs=None, keep=None, create_graph: bool = Fal
         >>> gp.grad(y1, w, keep=x)
         (tensor([18., 18.]),)
     """
-    plan = _Plan("graphprune.grad", outputs, keep, arg="outputs")
-    plan.arm()
-    try:
-        result = torch.autograd.grad(
+    def pass_fn():
+        return torch.autograd.grad(
             outputs,
             inputs,
             grad_outputs,
@@ -273,8 +335,10 @@ def grad(outputs, inputs, grad_outputs=None, keep=None, create_graph: bool = Fal
             create_graph=create_graph,
             allow_unused=allow_unused,
         )
-    except BaseException:
-        plan.disarm()
-        raise
-    plan.release()
-    return result
+
+    if create_graph:
+        _as_outputs(outputs, "graphprune.grad", "outputs")
+        result = pass_fn()
+        _Plan("graphprune.grad", outputs, keep, arg="outputs", extra=result).release()
+        return result
+    return _run(_Plan("graphprune.grad", outputs, keep, arg="outputs"), pass_fn)

@@ -42,10 +42,11 @@ class KeptReason:
 
     reason: str
     nodes: int
-    saved_bytes: int
+    saved_bytes: int | None  # None: held by PyTorch or other hooks, not measured
 
     def __str__(self) -> str:
-        return f"{self.nodes} node(s), {_fmt_bytes(self.saved_bytes)}: {self.reason}"
+        held = "bytes unknown" if self.saved_bytes is None else _fmt_bytes(self.saved_bytes)
+        return f"{self.nodes} node(s), {held}: {self.reason}"
 
 
 @dataclass(frozen=True)

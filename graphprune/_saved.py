@@ -42,7 +42,6 @@ class SavedHandle:
         "storage_key",
         "nbytes",
         "released_by",
-        "release_on_unpack",
         "meta",
         "__weakref__",
     )
@@ -55,7 +54,6 @@ class SavedHandle:
         self.node_name: str | None = None
         self.storage_key, self.nbytes = storage_of(t)
         self.released_by: str | None = None
-        self.release_on_unpack: str | None = None
         self.meta: tuple | None = None  # shape, dtype, device of a released tensor
 
     @property
@@ -69,7 +67,6 @@ class SavedHandle:
             self.meta = (t.shape, t.dtype, t.device)
             self.tensor = None
             self.released_by = reason
-        self.release_on_unpack = None
 
     def unpack(self) -> torch.Tensor:
         """Return the saved tensor for a backward pass, checking what PyTorch skips with hooks."""
@@ -81,10 +78,6 @@ class SavedHandle:
             raise ReleasedTensorError(self._released_message())
         if t._version != self.version:
             raise InplaceModifiedError(self._inplace_message(t))
-        if self.release_on_unpack is not None:
-            # NOTE [ Release during backward ]: the node gets its tensor for this one
-            # use; the handle lets go, so the storage dies with the node's locals.
-            self.release(self.release_on_unpack)
         return t
 
     def _name(self) -> str:

@@ -75,23 +75,35 @@ class _LiveTensors:
         return f"tensor of shape {tuple(t.shape)}, {t.dtype}"
 
 
+    def has(self, t: torch.Tensor) -> bool:
+        entry = self._by_id.get(id(t))
+        return entry is not None and entry.ref() is t
+
+
 LIVE = _LiveTensors()
-_library_code: dict[int, tuple] = {}  # id(code) -> (code, inside torch or graphprune)
+_library_file: dict[str, bool] = {}  # co_filename -> inside torch or graphprune
+_active = threading.local()  # .tapes: this thread's open tapes, innermost last
 
 
 def _caller() -> tuple[str, int]:
     """``(file, line)`` of the first frame outside torch and graphprune."""
     frame = sys._getframe(2)
     while frame is not None:
-        code = frame.f_code
-        known = _library_code.get(id(code))
-        if known is None or known[0] is not code:
-            path = code.co_filename
-            known = _library_code[id(code)] = (code, path.startswith((_TORCH_DIR, _OWN_DIR)))
-        if not known[1]:
-            return code.co_filename, frame.f_lineno
+        path = frame.f_code.co_filename
+        inside = _library_file.get(path)
+        if inside is None:
+            inside = _library_file[path] = path.startswith((_TORCH_DIR, _OWN_DIR))
+        if not inside:
+            return path, frame.f_lineno
         frame = frame.f_back
     return "<unknown>", 0
+
+
+def _open_tapes() -> list:
+    tapes = getattr(_active, "tapes", None)
+    if tapes is None:
+        tapes = _active.tapes = []
+    return tapes
 
 
 def _owner_seq(t: torch.Tensor, seq: int) -> int:
@@ -108,22 +120,31 @@ def _is_own_hook(hooks) -> bool:
     return hooks is not None and getattr(hooks[0], "__graphprune__", False)
 
 
+def _tensors(value) -> list[torch.Tensor]:
+    if isinstance(value, torch.Tensor):
+        return [value]
+    if isinstance(value, (tuple, list)):
+        return [t for t in value if isinstance(t, torch.Tensor)]
+    return []
+
+
 class _OutputRecorder(TorchFunctionMode):
-    """Sees every Python-level torch call under the tape and records its outputs."""
+    """Sees every Python-level torch call under the tape and records its tensors."""
 
     def __init__(self, tape: Tape):
         super().__init__()
         self.tape = tape
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
+        tape = self.tape
+        if _open_tapes()[-1] is not tape:  # an inner tape records this call
+            return func(*args, **(kwargs or {}))
+        first = torch._C._autograd._get_sequence_nr()
         out = func(*args, **(kwargs or {}))
-        if torch.is_grad_enabled():
-            if isinstance(out, torch.Tensor):
-                self.tape._record(out)
-            elif isinstance(out, (tuple, list)):
-                for t in out:
-                    if isinstance(t, torch.Tensor):
-                        self.tape._record(t)
+        outs = _tensors(out)
+        if outs:
+            tape._record(outs, range(first, torch._C._autograd._get_sequence_nr()))
+        tape._record_inputs(args)
         return out
 
 
@@ -152,14 +173,30 @@ class Tape:
             _forget_dead(pending)
         return handle
 
-    def _record(self, t: torch.Tensor) -> None:
-        fn = t.grad_fn
-        if fn is None:
-            return
-        top = torch._C._autograd._top_saved_tensors_default_hooks(False)
-        where = _caller()
-        stamp(fn, self.id, foreign=not _is_own_hook(top), since=self._first_seq)
-        LIVE.add(t, where)
+    def _record(self, outs: list[torch.Tensor], window: range) -> None:
+        """Stamp the nodes a torch call made and note its outputs as live tensors."""
+        where = None
+        for t in outs:
+            fn = t.grad_fn
+            if fn is None:
+                continue
+            if where is None:
+                where = _caller()
+                top = torch._C._autograd._top_saved_tensors_default_hooks(False)
+            stamp(fn, self.id, foreign=not _is_own_hook(top), since=self._first_seq, window=window)
+            LIVE.add(t, where)
+
+    def _record_inputs(self, args) -> None:
+        """Note tensors the recorder never saw made: outputs of ``autograd.Function``
+        (custom ops, reentrant checkpoint), whose ``apply`` is no torch call."""
+        for a in args:
+            for t in _tensors(a):
+                if LIVE.has(t):
+                    continue
+                fn = t.grad_fn
+                if fn is not None and fn._sequence_nr() >= self._first_seq:
+                    stamp(fn, self.id, since=self._first_seq)
+                    LIVE.add(t, _caller())
 
     # -- context manager ---------------------------------------------------------------
     def __enter__(self) -> Tape:
@@ -183,12 +220,14 @@ class Tape:
             self._hooks.__exit__(None, None, None)
             self._hooks = None
             raise
+        _open_tapes().append(self)
         return self
 
     def __exit__(self, *exc) -> None:
         if threading.get_ident() != self._thread:
             raise RuntimeError("graphprune.track: a tape must be closed in the thread that opened it")
         try:
+            _open_tapes().remove(self)
             self._mode.__exit__(*exc)
         finally:
             self._hooks.__exit__(*exc)

@@ -1,0 +1,206 @@
+"""One test per bug found in review, named after what it guards."""
+
+import threading
+
+import pytest
+import torch
+from torch.autograd.graph import save_on_cpu
+from torch.testing import assert_close
+
+import graphprune as gp
+from graphprune._graph import pending_handles
+
+
+class Square(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, a):
+        ctx.save_for_backward(a)
+        return a * a
+
+    @staticmethod
+    def backward(ctx, g):
+        (a,) = ctx.saved_tensors
+        return 2 * ctx.saved_tensors[0] * g  # reads its saved tensors twice, as code does
+
+
+def test_pruned_branch_without_saved_tensors_does_not_cut_protection():
+    w = torch.randn(5, requires_grad=True)
+    with gp.track():
+        x = w.exp()
+        l0, l1, l2 = x.sin().sum(), (x * x).sum(), x.tanh().sum()
+        losses = torch.stack([l0, l1, l2])
+    gp.backward(losses[0], keep=[x, l1, l2])  # StackBackward0 saved nothing: still usable
+    del l0, l1, l2
+    losses[1].backward(retain_graph=True)
+    gp.prune_after(losses[1])  # keep=None: the live `losses` protects head 2
+    w.grad = None
+    losses[2].backward()
+    assert_close(w.grad, (1 - x.detach().tanh() ** 2) * x.detach())
+
+
+def test_explicit_keep_through_a_pruned_node_that_saved_nothing():
+    w = torch.randn(4, requires_grad=True)
+    with gp.track():
+        x = w.exp()
+        r = x + 1  # AddBackward0 saves nothing
+        y1 = r.sin().sum()
+    y1.backward(retain_graph=True)
+    gp.prune_after(y1, keep=x)
+    with gp.track():
+        z = (r * 2).sum()
+        y2 = x.cos().sum()
+    gp.prune_after(y2, keep=z)
+    w.grad = None
+    z.backward()
+    assert_close(w.grad, 2 * x.detach())
+
+
+def test_keep_none_protects_custom_function_outputs():
+    w = torch.randn(4, requires_grad=True)
+    with gp.track():
+        x = w.exp()
+        f = Square.apply(x.sin())  # Function.apply is no torch call the recorder sees
+        y1 = (f * 3).sum()
+    y1.backward(retain_graph=True)
+    report = gp.prune_after(y1)
+    assert "SquareBackward" not in report.released_nodes
+    w.grad = None
+    f.sum().backward()
+    assert_close(w.grad, 2 * x.detach().sin() * x.detach().cos() * x.detach())
+
+
+@pytest.mark.parametrize("way", ["grad", "backward"])
+@pytest.mark.filterwarnings("ignore:Using backward\\(\\) with create_graph=True:UserWarning")
+def test_create_graph_gradient_penalty_survives_pruning(way):
+    torch.manual_seed(0)
+    w = torch.randn(4, requires_grad=True)
+    inp = torch.randn(4, requires_grad=True)
+    x = w.exp() * inp
+    (g,) = torch.autograd.grad((x.sin() * x).sum(), inp, create_graph=True)
+    g.pow(2).sum().backward()
+    expected = w.grad.clone()
+    w.grad, inp.grad = None, None
+    with gp.track():
+        x = w.exp() * inp
+        y1 = (x.sin() * x).sum()
+    if way == "grad":
+        (g,) = gp.grad(y1, inp, keep=x, create_graph=True)
+    else:
+        gp.backward(y1, keep=x, inputs=[inp], create_graph=True)
+        g = inp.grad
+    g.pow(2).sum().backward()
+    assert_close(w.grad, expected)
+
+
+def test_two_threads_stamping_one_shared_trunk_do_not_race():
+    errors = []
+    w = torch.randn(4, requires_grad=True)
+    for _ in range(3):
+        x = w
+        for _ in range(5000):  # built outside track(): stamped by whichever head comes first
+            x = x * 1.001
+        barrier = threading.Barrier(2)
+
+        def head(i, x=x, barrier=barrier):
+            try:
+                barrier.wait()
+                with gp.track():
+                    y = (x * (i + 1)).sum()
+                gp.explain(y)
+            except Exception as exc:
+                errors.append(exc)
+
+        threads = [threading.Thread(target=head, args=(i,)) for i in range(2)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+    assert not errors, errors
+    with gp.track():
+        t = w.exp()
+        y = (t * t).sum()
+    assert gp.prune_after(y, keep=t).released_nodes == {"MulBackward0": 1}
+
+
+def test_backward_custom_function_reading_saved_tensors_twice():
+    w = torch.randn(3, requires_grad=True)
+    with gp.track():
+        x = w.exp()
+        y1 = Square.apply(x.sin()).sum()
+    report = gp.backward(y1, keep=x)
+    assert report.released_nodes == {"SquareBackward": 1, "SinBackward0": 1}
+    assert_close(w.grad, 2 * x.detach().sin() * x.detach().cos() * x.detach())
+
+
+def test_inplace_on_a_view_attaches_hidden_node_handles():
+    w = torch.randn(256, 256, requires_grad=True)
+    with gp.track():
+        x = w.exp()
+        h = x.sin()
+        h[0:128].mul_(w[0:128])  # the MulBackward0 inside CopySlices saves two tensors
+        y1 = h.sum()
+    report = gp.backward(y1, keep=x)
+    assert report.released_nodes.get("CopySlices") == 1
+    assert not [r for refs in pending_handles().values() for r in refs if r() is not None]
+    with pytest.raises(gp.ReleasedTensorError, match="CopySlices"):
+        y1.backward()
+
+
+@pytest.mark.parametrize("op", ["pow_", "copysign_"])
+def test_inplace_ops_saving_a_clone_own_their_handles(op):
+    w = torch.rand(64, requires_grad=True)
+    with gp.track():
+        x = w.exp()
+        y1 = getattr(x * 1.0, op)(x * 0.5).sum()
+    y1.backward(retain_graph=True)
+    gp.prune_after(y1, keep=x)
+    assert not [r for refs in pending_handles().values() for r in refs if r() is not None]
+    with pytest.raises(gp.ReleasedTensorError):
+        y1.backward()
+
+
+def test_failed_backward_names_the_partial_release():
+    w = torch.randn(4, requires_grad=True)
+    with gp.track():
+        x = w.exp()
+        h = x.sin()
+        y1 = (h * h).tanh().sum()
+    calls = []
+
+    def flaky(g):
+        calls.append(1)
+        if len(calls) == 1:
+            raise RuntimeError("transient failure in a user hook")
+
+    h.register_hook(flaky)
+    with pytest.raises(RuntimeError, match="transient"):
+        gp.backward(y1, keep=x)
+    with pytest.raises(gp.ReleasedTensorError, match="whose pass raised before it finished"):
+        gp.backward(y1, keep=x)
+    x.sum().backward()  # the trunk is intact
+
+
+def test_nested_tapes_attribute_nodes_to_the_innermost():
+    w = torch.randn(3, requires_grad=True)
+    with gp.track() as outer:
+        x = w.exp()
+        with gp.track() as inner:
+            y = x.sin().sum()
+    inner_ops = {d["op"] for d in inner.graph().nodes.values()}
+    outer_ops = {d["op"] for d in outer.graph().nodes.values()}
+    assert {"SinBackward0", "SumBackward0"} <= inner_ops
+    assert "SumBackward0" not in outer_ops and "ExpBackward0" in outer_ops
+    assert y.requires_grad
+
+
+def test_bytes_held_by_other_hooks_are_reported_unknown_not_zero():
+    w = torch.randn(1000, requires_grad=True)
+    with gp.track():
+        x = w.exp()
+        with save_on_cpu():
+            h = x * x
+        y1 = h.exp().sum()
+    report = gp.explain(y1, keep=x)
+    foreign = [k for k in report.kept if "other saved-tensor hooks" in k.reason]
+    assert foreign and foreign[0].saved_bytes is None
+    assert "bytes unknown" in str(report)
