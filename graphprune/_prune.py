@@ -129,13 +129,16 @@ class _Plan:
         return PruneReport(call=call, dry_run=dry_run, **self.report_args)
 
     def _saving_wrappers(self):
-        """``(node id, wrapper)`` of the branch nodes that saved something."""
-        branch, seen = set(self.branch), set()
+        """``(node id, wrapper)`` of the branch nodes that saved something.
+
+        The walk goes through kept nodes too: a branch node may hang below one
+        (protection stops at nodes that lost tensors, reachability does not)."""
+        seen = set()
         stack = [t.grad_fn for t in self.outputs]
         while stack:
             node = stack.pop()
             rec = record_of(node)
-            if rec is None or rec.id not in branch or rec.id in seen:
+            if rec is None or rec.id in seen:
                 continue
             seen.add(rec.id)
             if rec.id in self.handles_by_node:
@@ -145,9 +148,15 @@ class _Plan:
     def arm(self) -> None:
         """NOTE [ Release during backward ]: each branch node lets its handles go as
         soon as it has run, as ``retain_graph=False`` would; a post-hook, not the
-        unpack hook, so a node may read its saved tensors more than once."""
+        unpack hook, so a node may read its saved tensors more than once. Only in
+        this pass's own graph task: a reentrant pass started by a hook inside it
+        (implicit layers) may run the node again."""
+        task = [None]
+        note = functools.partial(_note_task, task)
+        for t in self.outputs:
+            self._hooks.append(t.grad_fn.register_prehook(note))
         for n, node in self._saving_wrappers():
-            release = functools.partial(_release_after_run, self.handles_by_node[n], self.reason)
+            release = functools.partial(_release_after_run, self.handles_by_node[n], self.reason, task)
             self._hooks.append(node.register_hook(release))
 
     def _disarm(self) -> None:
@@ -179,9 +188,15 @@ class _Plan:
             MODEL.released.update(n for n in ran if n in MODEL.graph)
 
 
-def _release_after_run(handles: list[SavedHandle], reason: str, grad_inputs, grad_outputs):
-    for h in handles:
-        h.release(reason)
+def _note_task(task: list, grad_outputs) -> None:
+    if task[0] is None:
+        task[0] = torch._C._current_graph_task_id()
+
+
+def _release_after_run(handles: list[SavedHandle], reason: str, task: list, grad_inputs, grad_outputs):
+    if task[0] == torch._C._current_graph_task_id():
+        for h in handles:
+            h.release(reason)
 
 
 def _leaf_grads(outputs: list[torch.Tensor], inputs) -> list[torch.Tensor]:

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import torch
 
-from ._zero import in_zero_pass
+from ._zero import in_zero_pass, placeholder
 from .errors import InplaceModifiedError, ReleasedTensorError
 
 __all__ = ["SavedHandle", "storage_of"]
@@ -73,8 +73,7 @@ class SavedHandle:
         t = self.tensor
         if t is None:
             if in_zero_pass():  # NOTE [ Zero-gradient passes through released nodes ]
-                shape, dtype, device = self.meta
-                return torch.zeros((), dtype=dtype, device=device).expand(shape)
+                return placeholder(*self.meta)
             raise ReleasedTensorError(self._released_message())
         if t._version != self.version:
             raise InplaceModifiedError(self._inplace_message(t))

@@ -108,11 +108,23 @@ def _open_tapes() -> list:
 
 def _owner_seq(t: torch.Tensor, seq: int) -> int:
     """Sequence number of the node that saves ``t``: the last one built (DESIGN.md
-    fact 4), except for in-place ops that save their input as it was (``mul_``,
-    ``clamp_min_``): they save a clone, whose own CloneBackward0 came after them."""
+    fact 4), with two exceptions where ``t``'s own node was built after the saver.
+
+    - In-place ops that save their input as it was (``mul_``, ``clamp_min_``) save a
+      clone, whose CloneBackward0 came after them.
+    - In-place ops on a view that save their result (``h[1:3].sigmoid_()``) save the
+      view after autograd rebuilt its ``grad_fn``, a view replay over the
+      ``CopySlices`` that runs the op; the replay saves nothing itself.
+    """
     fn = t.grad_fn
-    if fn is not None and fn._sequence_nr() == seq and fn.name() == "CloneBackward0":
+    if fn is None or fn._sequence_nr() != seq:
+        return seq
+    if fn.name() == "CloneBackward0":
         return seq - 1
+    if t._is_view():
+        base = fn.next_functions[0][0] if fn.next_functions else None
+        if base is not None and base.name().endswith("CopySlices"):
+            return base._sequence_nr()
     return seq
 
 

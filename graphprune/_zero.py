@@ -8,9 +8,12 @@ has no tensors left. Backward functions are linear in the incoming gradient, so
 zero in means zero out: a prehook notes that every incoming gradient is zero, the
 unpack hook then hands the node a zero-stride placeholder instead of raising, and a
 post-hook replaces the node's outputs with zeros (the placeholder may give NaN, as
-in Div or Acos). A non-zero gradient into a released node still raises.
+in Div or Log). A non-zero gradient into a released node still raises.
 Hooks are keyed by node id: a closure that held the node's own wrapper would be a
-reference cycle through C++.
+reference cycle through C++. The zero mark is keyed by (node, graph task), so a
+node that raised mid-pass, or another thread's pass, never sees a stale mark.
+Placeholders of floating tensors are zero-stride (no memory); integer ones (LU
+pivots, indices) are contiguous ones, which the kernels that read them accept.
 """
 
 from __future__ import annotations
@@ -24,7 +27,7 @@ from ._graph import record_of
 
 __all__ = ["guard_released", "in_zero_pass"]
 
-_zero_pass: set[int] = set()
+_zero_pass: set[tuple[int, int]] = set()  # (node id, graph task id)
 _lock = threading.Lock()
 
 
@@ -33,17 +36,21 @@ def _all_zero(grads) -> bool:
 
 
 def _prehook(node_id: int, grad_outputs):
-    if _all_zero(grad_outputs):
-        with _lock:
-            _zero_pass.add(node_id)
+    key = (node_id, torch._C._current_graph_task_id())
+    with _lock:
+        if _all_zero(grad_outputs):
+            _zero_pass.add(key)
+        else:
+            _zero_pass.discard(key)
     return None
 
 
 def _posthook(node_id: int, grad_inputs, grad_outputs):
+    key = (node_id, torch._C._current_graph_task_id())
     with _lock:
-        if node_id not in _zero_pass:
+        if key not in _zero_pass:
             return None
-        _zero_pass.discard(node_id)
+        _zero_pass.discard(key)
     return tuple(None if g is None else torch.zeros_like(g) for g in grad_inputs)
 
 
@@ -62,4 +69,11 @@ def in_zero_pass() -> bool:
     """Whether the node running now came in with all-zero gradients."""
     node = torch._C._current_autograd_node()
     rec = None if node is None else record_of(node)
-    return rec is not None and rec.id in _zero_pass
+    return rec is not None and (rec.id, torch._C._current_graph_task_id()) in _zero_pass
+
+
+def placeholder(shape, dtype: torch.dtype, device) -> torch.Tensor:
+    """What a released node gets in a zero-gradient pass instead of its tensor."""
+    if dtype.is_floating_point or dtype.is_complex:
+        return torch.zeros((), dtype=dtype, device=device).expand(shape)
+    return torch.ones(shape, dtype=dtype, device=device)
