@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import threading
+
 import pytest
 import torch
 from torch import nn
@@ -32,6 +34,24 @@ def multitask():
 def images():
     g = torch.Generator().manual_seed(1)
     return torch.randn(4, 3, 8, 8, generator=g), torch.randint(0, 5, (4,), generator=g)
+
+
+def run_in_threads(target, count: int = 2) -> list[BaseException]:
+    """Run ``target(i)`` in ``count`` threads at once; return what they raised."""
+    errors: list[BaseException] = []
+
+    def guarded(i):
+        try:
+            target(i)
+        except Exception as exc:  # surfaced to the test by the return value
+            errors.append(exc)
+
+    threads = [threading.Thread(target=guarded, args=(i,)) for i in range(count)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    return errors
 
 
 def grads_of(params) -> list[torch.Tensor]:

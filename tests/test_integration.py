@@ -1,7 +1,6 @@
 """graphprune beside the rest of PyTorch: custom Functions, checkpoint, save_on_cpu,
 double backward, autocast, threads, nesting and exceptions."""
 
-import threading
 
 import pytest
 import torch
@@ -10,6 +9,8 @@ from torch.testing import assert_close
 from torch.utils.checkpoint import checkpoint
 
 import graphprune as gp
+
+from conftest import run_in_threads
 
 
 class Cube(torch.autograd.Function):
@@ -188,30 +189,22 @@ def test_autocast_bfloat16_matches_plain():
 
 
 def test_two_threads_each_with_a_tape():
-    errors, results = [], {}
+    results = {}
 
     def work(i):
-        try:
-            w = torch.full((64,), float(i + 1), requires_grad=True)
-            for _ in range(20):
-                w.grad = None
-                with gp.track():
-                    x = w.exp() * (i + 1)
-                    y1 = (x.sin() * x).sum()
-                y1.backward(retain_graph=True)
-                report = gp.prune_after(y1, keep=x)
-                assert report.released_tensors == 3, report
-                x.sum().backward()
-            results[i] = w.grad.clone()
-        except Exception as exc:  # surfaced below
-            errors.append(exc)
+        w = torch.full((64,), float(i + 1), requires_grad=True)
+        for _ in range(20):
+            w.grad = None
+            with gp.track():
+                x = w.exp() * (i + 1)
+                y1 = (x.sin() * x).sum()
+            y1.backward(retain_graph=True)
+            report = gp.prune_after(y1, keep=x)
+            assert report.released_tensors == 3, report
+            x.sum().backward()
+        results[i] = w.grad.clone()
 
-    threads = [threading.Thread(target=work, args=(i,)) for i in range(2)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    assert not errors, errors
+    assert not run_in_threads(work)
     for i in range(2):
         w = torch.full((64,), float(i + 1), requires_grad=True)
         x = w.exp() * (i + 1)
