@@ -113,7 +113,7 @@ class _Plan:
         trunk: list[SavedHandle] = []
         kept = []
         for reason, nodes in kept_by.items():
-            held = [h for n in nodes for h in MODEL.live_handles(n)]
+            held = [h for n in nodes for h in MODEL.live_handles(n) if not h.leaf]
             trunk += held
             kept.append(KeptReason(reason, len(nodes), None if reason in unknown else unique_bytes(held)))
         handles = [h for live in by_node.values() for h in live]

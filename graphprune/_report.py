@@ -56,7 +56,7 @@ class PruneReport:
 
     Byte counts are of unique storages: ``bytes_freed`` counts only storages that
     nothing but the released handles used, ``bytes_kept`` the storages the kept part
-    of the graph (the trunk) still holds.
+    of the graph (the trunk) still holds, leaves (parameters, inputs) left out.
     """
 
     call: str

@@ -43,6 +43,7 @@ class SavedHandle:
         "nbytes",
         "released_by",
         "meta",
+        "leaf",
         "__weakref__",
     )
 
@@ -55,6 +56,7 @@ class SavedHandle:
         self.storage_key, self.nbytes = storage_of(t)
         self.released_by: str | None = None
         self.meta: tuple | None = None  # shape, dtype, device of a released tensor
+        self.leaf = t.is_leaf  # a parameter or input: pruning never frees its storage
 
     @property
     def released(self) -> bool:

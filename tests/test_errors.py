@@ -138,3 +138,14 @@ def test_inplace_op_saving_its_input_clone_is_released():
     assert report.released_nodes == {"ClampMinBackward0": 1}
     with pytest.raises(gp.ReleasedTensorError, match="ClampMinBackward0"):
         y1.backward()
+
+
+def test_bytes_kept_leaves_out_parameters():
+    lin = torch.nn.Linear(256, 256)  # LinearBackward saves its weight: 256 KiB
+    inp = torch.randn(4, 256)
+    with gp.track():
+        x = lin(inp)  # saves the input (a leaf) and the weight (a parameter)
+        y1 = x.exp().sum()
+    report = gp.explain(y1, keep=x)
+    assert report.bytes_kept == 0
+    assert report.bytes_freed == 4 * 256 * 4  # exp's saved result, the branch's own

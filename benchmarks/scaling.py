@@ -1,0 +1,134 @@
+"""What ``prune_after`` and ``explain`` cost as the graph grows.
+
+Three graph shapes of ``n`` autograd nodes (about half trunk, half branch), built
+under ``graphprune.track()`` on small tensors so that graph bookkeeping, not
+arithmetic, dominates (the worst case for graphprune's relative cost):
+
+* ``chain``       -- a deep chain: ``n/2`` ``sin`` ops to ``x``, ``n/2`` more to ``y``;
+* ``fanout``      -- a wide fan-out: ``n/2`` independent ``(x * c_i).sin()`` terms summed;
+* ``transformer`` -- a stack of small transformer encoder layers; ``keep`` is the
+  output of the middle layer, ``y`` the sum of the last layer's output.
+
+For each: the tracked forward vs an untracked one, ``y.backward(retain_graph=True)``,
+``explain(y, keep=x)``, then ``prune_after(y, keep=x)``; microseconds per node.
+"""
+
+from __future__ import annotations
+
+import gc
+import time
+
+import torch
+import torch.nn as nn
+
+import graphprune as gp
+
+SHAPES = ["chain", "fanout", "transformer"]
+
+
+def _chain(w, n):
+    h = w
+    for _ in range(n // 2):
+        h = h.sin()
+    x = h
+    for _ in range(n - n // 2):
+        h = h.sin()
+    return x, h.sum()
+
+
+def _fanout(w, n):
+    x = w.sin()
+    terms = [(x * (1.0 + i * 1e-4)).sin() for i in range(max(1, n // 2 - 1))]
+    return x, torch.stack(terms).sum()
+
+
+class _Stack:
+    def __init__(self, d=16):
+        torch.manual_seed(0)
+        self.layers = [
+            nn.TransformerEncoderLayer(d, 2, dim_feedforward=32, dropout=0.0, batch_first=True)
+            for _ in range(4)
+        ]
+        self.nodes_per_layer = None
+
+    def run(self, w, n_layers):
+        h = w
+        x = None
+        for i in range(n_layers):
+            h = self.layers[i % 4](h)
+            if i == n_layers // 2 - 1:
+                x = h
+        return (x if x is not None else w), h.sum()
+
+
+def _count(tape) -> int:
+    return tape.graph().number_of_nodes()
+
+
+def run_scaling(job: dict) -> dict:
+    torch.set_num_threads(job.get("threads", 1))
+    shape, n = job["shape"], job["nodes"]
+    repeats = job["repeats"]
+    stack = _Stack() if shape == "transformer" else None
+    if shape == "transformer":
+        w = torch.randn(2, 4, 16, requires_grad=True)
+        counts = []
+        for layers in (4, 8):
+            with gp.track() as tape:
+                held = stack.run(w, layers)
+            counts.append(_count(tape))
+            del held
+            gc.collect()
+        per_layer = max(1, (counts[1] - counts[0]) // 4)
+        n_layers = max(2, n // per_layer)
+
+        def build():
+            return stack.run(w, n_layers)
+
+    else:
+        w = torch.randn(64, requires_grad=True)
+        fn = _chain if shape == "chain" else _fanout
+
+        def build():
+            return fn(w, n)
+
+    rows = []
+    for rep in range(repeats + 1):
+        t0 = time.perf_counter()
+        x, y = build()
+        t_plain_fwd = time.perf_counter() - t0
+        del x, y
+        gc.collect()
+        t0 = time.perf_counter()
+        with gp.track() as tape:
+            x, y = build()
+        t_fwd = time.perf_counter() - t0
+        if rep == 0:
+            n_nodes = _count(tape)
+        nodes = n_nodes
+        t0 = time.perf_counter()
+        y.backward(retain_graph=True)
+        t_bwd = time.perf_counter() - t0
+        t0 = time.perf_counter()
+        rep_explain = gp.explain(y, keep=x)
+        t_explain = time.perf_counter() - t0
+        t0 = time.perf_counter()
+        report = gp.prune_after(y, keep=x)
+        t_prune = time.perf_counter() - t0
+        row = dict(
+            nodes=nodes,
+            fwd_plain_s=t_plain_fwd,
+            fwd_tracked_s=t_fwd,
+            backward_s=t_bwd,
+            explain_s=t_explain,
+            prune_s=t_prune,
+            released=report.released_tensors,
+            explain_released=rep_explain.released_tensors,
+        )
+        del x, y, report, rep_explain
+        gc.collect()
+        w.grad = None
+        if rep > 0 or repeats == 0:  # the first run warms up
+            rows.append(row)
+    med = {k: sorted(r[k] for r in rows)[len(rows) // 2] for k in rows[0]}
+    return dict(job=job, ok=True, scaling=med, rows=rows)

@@ -1,0 +1,88 @@
+"""The benchmark suite runs end to end at tiny sizes and writes its report.
+
+Its numbers are not asserted (tiny sizes measure nothing); its structure is: a table
+per workload, a row per strategy, the floor, the targets, the scaling table, plots.
+"""
+
+import json
+import os
+import re
+import subprocess
+import sys
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+
+from benchmarks import workloads as W  # noqa: E402
+
+pytest.importorskip("matplotlib")
+
+
+@pytest.fixture(scope="module")
+def suite(tmp_path_factory):
+    out = tmp_path_factory.mktemp("bench")
+    env = dict(os.environ)
+    env.pop("MALLOC_MMAP_THRESHOLD_", None)  # the runner must set it itself
+    proc = subprocess.run(
+        [sys.executable, "-m", "benchmarks", "--tiny", "--out", str(out)],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    return out, proc
+
+
+def test_writes_results_and_plots(suite):
+    out, _ = suite
+    names = set(os.listdir(out))
+    assert "RESULTS.md" in names and "results.json" in names
+    assert "prune_scaling.png" in names
+    for fam in ("seed", "lazy", "eager", "pcgrad", "depth"):
+        assert f"memory_{fam}.png" in names
+        assert os.path.getsize(out / f"memory_{fam}.png") > 10_000
+
+
+def test_every_strategy_has_a_row_in_every_table(suite):
+    out, _ = suite
+    text = (out / "RESULTS.md").read_text()
+    assert "**Machine:**" in text
+    assert "MALLOC_MMAP_THRESHOLD_" in text and "clear_refs" in text
+    sections = re.split(r"^## ", text, flags=re.M)
+    by_title = {s.splitlines()[0].strip(): s for s in sections[1:]}
+    for cfg in W.configs("tiny"):
+        name = W.config_name(cfg)
+        assert name in by_title, f"no table for {name}"
+        body = by_title[name]
+        assert "| strategy | peak MiB" in body
+        assert "Floor = measured" in body
+        for s in cfg["strategies"]:
+            row = re.search(rf"^\| \**{re.escape(s)}\** \|(.*)$", body, flags=re.M)
+            assert row, f"{name}: no row for {s}"
+            cells = [c.strip() for c in row.group(1).split("|")]
+            assert not cells[0].startswith("failed"), f"{name}/{s}: {cells[0]}"
+            if not cells[0].startswith("n/a"):
+                float(cells[0].split()[0])  # a measured peak
+                float(cells[3])  # a measured time
+    assert "## Targets" in by_title or any(t.startswith("Targets") for t in by_title)
+    assert any(t.startswith("Scaling") for t in by_title)
+
+
+def test_json_has_a_measurement_per_job(suite):
+    out, _ = suite
+    data = json.loads((out / "results.json").read_text())
+    assert data["meta"]["machine"]["malloc_mmap_threshold"] == "65536"
+    steps = [r for r in data["results"] if r["job"]["kind"] == "step"]
+    expected = sum(len(c["strategies"]) + 1 for c in W.configs("tiny"))
+    assert len(steps) == expected
+    for r in steps:
+        assert r["ok"] or r.get("not_applicable"), r.get("error")
+        if r["ok"]:
+            assert r["series"] and r["series"][-1][0] == "end"
+            assert r["peak_resettable"]
+    shapes = {r["job"]["shape"] for r in data["results"] if r["job"]["kind"] == "scaling"}
+    assert shapes == {"chain", "fanout", "transformer"}
