@@ -110,24 +110,10 @@ def write(results, meta, out_dir) -> str:
     for name, cfg in cfgs.items():
         L += _table(name, cfg, merged)
     L += _scaling_table(scaling)
-    L.append("## Strategies")
-    L.append("")
-    for s in ["floor"] + W.SEED_STRATEGIES + W.STRATEGIES + ["gp_prune_auto"]:
-        L.append(f"* `{s}`: {W.DESCRIPTION[s]}")
-    L.append("")
-    if plots:
-        L.append("## Plots")
-        L.append("")
-        for p in plots:
-            L.append(f"![{p}]({p})")
-        L.append("")
-    if failures:
-        L.append("## Failed jobs")
-        L.append("")
-        for r in failures:
-            err = (r.get("error") or "").strip().splitlines()
-            L.append(f"* `{r['job']}`: {err[-1] if err else 'failed'}")
-        L.append("")
+    strategies = ["floor"] + W.SEED_STRATEGIES + W.STRATEGIES + ["gp_prune_auto"]
+    L += _section("Strategies", [f"* `{s}`: {W.DESCRIPTION[s]}" for s in strategies])
+    L += _section("Plots", [f"![{p}]({p})" for p in plots])
+    L += _section("Failed jobs", [f"* `{r['job']}`: {_last_line(r.get('error'))}" for r in failures])
     path = os.path.join(out_dir, "RESULTS.md")
     with open(path, "w") as f:
         f.write("\n".join(L))
@@ -176,6 +162,16 @@ _METHOD = """## Method
   (strategy's step / `retain`'s step in the same round). The time targets are judged
   on the paired ratio; both are printed.
 """
+
+
+def _section(title, items):
+    """A ``## title`` section of ``items``, or nothing when there are none."""
+    return [f"## {title}", "", *items, ""] if items else []
+
+
+def _last_line(error):
+    lines = (error or "").strip().splitlines()
+    return lines[-1] if lines else "failed"
 
 
 def _targets(cfgs, merged, scaling):
