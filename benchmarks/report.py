@@ -164,6 +164,17 @@ _METHOD = """## Method
 """
 
 
+def _size_axis(ax, ylabel, title):
+    """Log-scale graph size on x, from zero on y, legend and grid."""
+    ax.set_xscale("log")
+    ax.set_xlabel("graph nodes")
+    ax.set_ylabel(ylabel)
+    ax.set_title(title)
+    ax.set_ylim(bottom=0)
+    ax.legend(fontsize=8)
+    ax.grid(alpha=0.3)
+
+
 def _section(title, items):
     """A ``## title`` section of ``items``, or nothing when there are none."""
     return [f"## {title}", "", *items, ""] if items else []
@@ -411,21 +422,10 @@ def _plots(cfgs, merged, scaling, out_dir):
             axes[0].plot(xs, [r["explain_s"] / r["nodes"] * 1e6 for r in rows], "s--", color=c,
                          label=f"{shape}: explain")
             axes[1].plot(xs, [r["prune_s"] / r["backward_s"] * 100 for r in rows], "o-", color=c, label=shape)
-        axes[0].set_xscale("log")
-        axes[0].set_xlabel("graph nodes")
-        axes[0].set_ylabel("µs per node")
-        axes[0].set_title("prune_after / explain cost per node (flat = linear)")
-        axes[0].set_ylim(bottom=0)
-        axes[0].legend(fontsize=8)
-        axes[0].grid(alpha=0.3)
-        axes[1].set_xscale("log")
+        _size_axis(axes[0], "µs per node", "prune_after / explain cost per node (flat = linear)")
         axes[1].axhline(PRUNE_TOL * 100, color="k", ls=":", label="5% target")
-        axes[1].set_xlabel("graph nodes")
-        axes[1].set_ylabel("prune_after time / backward time (%)")
-        axes[1].set_title("prune_after relative to the retained backward it follows")
-        axes[1].set_ylim(bottom=0)
-        axes[1].legend(fontsize=8)
-        axes[1].grid(alpha=0.3)
+        _size_axis(axes[1], "prune_after time / backward time (%)",
+                   "prune_after relative to the retained backward it follows")
         fig.tight_layout()
         fig.savefig(os.path.join(out_dir, "prune_scaling.png"), dpi=90)
         plt.close(fig)
