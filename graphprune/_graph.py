@@ -29,7 +29,7 @@ import networkx as nx
 if TYPE_CHECKING:
     from ._saved import SavedHandle
 
-__all__ = ["NodeRecord", "GraphModel", "MODEL", "record_of", "stamp"]
+__all__ = ["NodeRecord", "GraphModel", "MODEL", "record_of", "stamp", "walk"]
 
 _KEY = "graphprune"
 _ids = itertools.count(1)
@@ -79,6 +79,19 @@ class NodeRecord:
                 _local.draining = False
         except Exception:  # interpreter shutdown: module globals may be gone
             pass
+
+
+def walk(roots):
+    """Every node reachable from ``roots`` (wrappers), once each; a stack, never recursion."""
+    seen = set()
+    stack = [n for n in roots if n is not None]
+    while stack:
+        node = stack.pop()
+        if id(node) in seen:  # a wrapper stays the same object while its node lives
+            continue
+        seen.add(id(node))
+        yield node
+        stack.extend(fn for fn, _ in node.next_functions if fn is not None)
 
 
 def record_of(node) -> NodeRecord | None:

@@ -9,7 +9,7 @@ import functools
 import torch
 from torch.autograd.graph import Node
 
-from ._graph import MODEL, record_of, stamp
+from ._graph import MODEL, record_of, stamp, walk
 from ._report import KeptReason, PruneReport, exclusive_bytes, unique_bytes
 from ._saved import SavedHandle
 from ._tape import LIVE
@@ -67,11 +67,12 @@ class Plan:
         described = ", ".join(LIVE.describe(t) for t in ys)
         self.reason = f"{call}({described})"
         self._hooks: list = []
+        self._wrappers: list | None = None
         with MODEL.lock:
             MODEL.purge()
             roots = [stamp(t.grad_fn) for t in ys]
             if keep is None:
-                live = [(n, e) for n, e in LIVE.roots(tuple(ys)) if n not in MODEL.finished]
+                live = LIVE.roots(tuple(ys))
                 guards = [(n, f"still reachable from the live {e.describe()}") for n, e in live]
             else:
                 guards = _keep_roots(keep, call)
@@ -128,22 +129,17 @@ class Plan:
     def report(self, call: str, dry_run: bool) -> PruneReport:
         return PruneReport(call=call, dry_run=dry_run, **self.report_args)
 
-    def _saving_wrappers(self):
-        """``(node id, wrapper)`` of the branch nodes that saved something.
+    def _saving_wrappers(self) -> list:
+        """``(node id, wrapper)`` of the branch nodes that saved something, walked
+        once per plan (``arm`` and ``release`` both need them).
 
         The walk goes through kept nodes too: a branch node may hang below one
         (protection stops at nodes that lost tensors, reachability does not)."""
-        seen = set()
-        stack = [t.grad_fn for t in self.outputs]
-        while stack:
-            node = stack.pop()
-            rec = record_of(node)
-            if rec is None or rec.id in seen:
-                continue
-            seen.add(rec.id)
-            if rec.id in self.handles_by_node:
-                yield rec.id, node
-            stack.extend(fn for fn, _ in node.next_functions if fn is not None)
+        if self._wrappers is None:
+            saving = self.handles_by_node
+            records = ((record_of(node), node) for node in walk(t.grad_fn for t in self.outputs))
+            self._wrappers = [(r.id, node) for r, node in records if r is not None and r.id in saving]
+        return self._wrappers
 
     def arm(self) -> None:
         """NOTE [ Release during backward ]: each branch node lets its handles go as
@@ -164,15 +160,21 @@ class Plan:
             hook.remove()
         self._hooks = []
 
+    def _mark_released(self, node_ids) -> None:
+        """Let zero-gradient passes through these nodes; stop protection walks there."""
+        node_ids = set(node_ids)
+        guard_released(node for n, node in self._saving_wrappers() if n in node_ids)
+        with MODEL.lock:
+            MODEL.released.update(n for n in node_ids if n in MODEL.graph)
+
     def release(self) -> None:
         """Release every branch handle; the branch's roots protect nothing any more."""
         self._disarm()
-        guard_released(node for _, node in self._saving_wrappers())
         for live in self.handles_by_node.values():
             for h in live:
                 h.release(self.reason)
+        self._mark_released(self.handles_by_node)
         with MODEL.lock:
-            MODEL.released.update(n for n in self.handles_by_node if n in MODEL.graph)
             MODEL.finished.update(n for n in self.roots if n in MODEL.graph)
 
     def abandon(self) -> None:
@@ -183,9 +185,7 @@ class Plan:
             for h in self.handles_by_node[n]:
                 if h.released:
                     h.released_by = f"{self.reason}, whose pass raised before it finished"
-        guard_released(node for n, node in self._saving_wrappers() if n in ran)
-        with MODEL.lock:
-            MODEL.released.update(n for n in ran if n in MODEL.graph)
+        self._mark_released(ran)
 
 
 def _note_task(task: list, grad_outputs) -> None:

@@ -6,6 +6,7 @@ from collections.abc import Sequence
 
 import torch
 
+from ._graph import walk
 from ._plan import Plan, as_outputs
 from ._report import PruneReport
 
@@ -17,15 +18,8 @@ def _leaf_grads(outputs: list[torch.Tensor], inputs) -> list[torch.Tensor]:
     if inputs is not None:
         leaves = [inputs] if isinstance(inputs, torch.Tensor) else list(inputs)
     else:
-        leaves, seen, stack = [], set(), [t.grad_fn for t in outputs]
-        while stack:
-            node = stack.pop()
-            if node is None or id(node) in seen:
-                continue
-            seen.add(id(node))
-            if hasattr(node, "variable"):
-                leaves.append(node.variable)
-            stack.extend(fn for fn, _ in node.next_functions)
+        nodes = walk(t.grad_fn for t in outputs)
+        leaves = [node.variable for node in nodes if hasattr(node, "variable")]
     return [t.grad for t in leaves if t.grad is not None]
 
 

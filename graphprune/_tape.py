@@ -14,7 +14,7 @@ import networkx as nx
 import torch
 from torch.overrides import TorchFunctionMode
 
-from ._graph import pending_handles, stamp
+from ._graph import MODEL, pending_handles, stamp
 from ._saved import SavedHandle
 
 __all__ = ["Tape", "track", "LIVE", "LiveTensor"]
@@ -49,35 +49,36 @@ class _LiveTensors:
         if entry is not None and entry.ref is ref:
             del self._by_id[key]
 
+    def _entry(self, t: torch.Tensor) -> LiveTensor | None:
+        entry = self._by_id.get(id(t))  # ids are reused: check it is still this tensor
+        return entry if entry is not None and entry.ref() is t else None
+
     def add(self, t: torch.Tensor, where: tuple[str, int]) -> None:
-        key = id(t)
-        entry = self._by_id.get(key)
-        if entry is None or entry.ref() is not t:
+        if self._entry(t) is None:
+            key = id(t)
             self._by_id[key] = LiveTensor(weakref.ref(t, functools.partial(self._forget, key)), where)
 
+    def has(self, t: torch.Tensor) -> bool:
+        return self._entry(t) is not None
+
     def roots(self, exclude: tuple = ()) -> list[tuple[int, LiveTensor]]:
-        """``(node id, entry)`` of each live tensor not in ``exclude``, whose graph
-        is found again through its current ``grad_fn`` (in-place ops move it)."""
+        """``(node id, entry)`` of each live tensor not in ``exclude`` that still
+        protects something: its graph is found again through its current
+        ``grad_fn`` (in-place ops move it), and an output already pruned (its node
+        finished) protects nothing."""
         out = []
         for entry in list(self._by_id.values()):
             t = entry.ref()
             if t is None or any(t is e for e in exclude):
                 continue
             fn = t.grad_fn
-            if fn is not None:
-                out.append((stamp(fn), entry))
+            if fn is not None and (n := stamp(fn)) not in MODEL.finished:
+                out.append((n, entry))
         return out
 
     def describe(self, t: torch.Tensor) -> str:
-        entry = self._by_id.get(id(t))
-        if entry is not None and entry.ref() is t:
-            return entry.describe()
-        return f"tensor of shape {tuple(t.shape)}, {t.dtype}"
-
-
-    def has(self, t: torch.Tensor) -> bool:
-        entry = self._by_id.get(id(t))
-        return entry is not None and entry.ref() is t
+        entry = self._entry(t)
+        return entry.describe() if entry else f"tensor of shape {tuple(t.shape)}, {t.dtype}"
 
 
 LIVE = _LiveTensors()
