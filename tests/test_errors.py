@@ -149,3 +149,15 @@ def test_bytes_kept_leaves_out_parameters():
     report = gp.explain(y1, keep=x)
     assert report.bytes_kept == 0
     assert report.bytes_freed == 4 * 256 * 4  # exp's saved result, the branch's own
+
+
+def test_grad_names_its_bad_arguments(branch):
+    w, x, y = branch
+    with pytest.raises(TypeError, match=r"graphprune.grad: outputs must be a torch.Tensor, got float"):
+        gp.grad(3.0, w)
+    with pytest.raises(ValueError, match=r"graphprune.grad: outputs\[0\] has no grad_fn"):
+        gp.grad([torch.ones(2)], w)
+    with pytest.raises(TypeError, match=r"graphprune.grad: keep must be a tensor"):
+        gp.grad(y, w, keep="x")
+    with pytest.raises(TypeError, match=r"graphprune.backward: keep\[1\] must be"):
+        gp.backward(y, keep=[x, 2])
