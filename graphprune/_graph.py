@@ -1,256 +1,197 @@
-"""A networkx model of the ``grad_fn`` graph, built without holding the graph alive.
+"""The autograd graph as graphprune sees it, read from the nodes when a prune needs it.
 
-Every node graphprune has seen carries a :class:`NodeRecord` in ``node.metadata``.
-The model (a ``networkx.DiGraph`` of integer ids; edges follow ``next_functions``)
-holds no wrapper and no tensor, only ids, names and weak references to the
-:class:`~graphprune._saved.SavedHandle` objects a node owns. When the C++ node dies,
-its metadata dies with it and the record's ``__del__`` tells the model.
+NOTE [ Lazy records ]
+The forward builds nothing per node (NOTE [ What the forward pays ] in ``_saved.py``).
+A prune, ``explain`` or ``graph()`` walks the ``grad_fn`` wrappers and reads what it
+needs from the nodes themselves:
+
+- a node's saved tensors from ``node._raw_saved_*``, which returns the pack hook's
+  object without unpacking it (under ``checkpoint`` nothing is recomputed, DESIGN.md
+  fact 13); read again on every walk, never cached: a handle cached on the node
+  would outlive a plain ``backward()`` that freed it, and keep its tensor;
+- its children, cached in ``node.metadata`` on the first walk (see below), so that
+  a trunk walked once is read from the cache by every later prune;
+- the marks prunes leave (released, finished, guarded) as metadata keys.
+
+Each walked node costs its wrapper and its metadata dict: no record object, no
+tensor, nothing that outlives the node. A node is identified by its wrapper, which
+stays the same object while the node lives.
+
+``CopySlices`` (an in-place op on a view) hides the node that saved the tensors;
+the output recorder collects the handles packed during such a call and files them
+under the call's sequence numbers (``file_strays``), where the first walk that
+reaches the CopySlices claims them into its metadata.
 
 NOTE [ Deep graphs and Python wrappers ]
 On torch 2.13 a ``grad_fn`` wrapper, once created, is kept by its C++ node, and a
 chain of wrapped nodes is destroyed by recursing through the wrappers' deallocs:
-~50k nodes overflow the C stack (DESIGN.md fact 12). Walking the graph needs the
-wrappers, so each record also holds its children's wrappers, and when it dies it
-hands them to a thread-local queue that one loop drains. Each node then dies
-alone, as PyTorch's own iterative teardown would have it.
+~50k nodes overflow the C stack (DESIGN.md fact 12). Walking the graph creates the
+wrappers, so each walked node's metadata dict holds its children's wrappers: a
+node's death then goes through a dict dealloc, which CPython's trashcan defers once
+50 of them are nested, and the teardown unwinds instead of recursing 200k levels.
 """
 
 from __future__ import annotations
 
 import collections
-import itertools
 import threading
 import weakref
-from collections.abc import Iterable
 from typing import TYPE_CHECKING
 
-import networkx as nx
+import torch
+
+from ._saved import SavedHandle
 
 if TYPE_CHECKING:
-    from ._saved import SavedHandle
+    from torch.autograd.graph import Node
 
-__all__ = ["NodeRecord", "GraphModel", "MODEL", "record_of", "stamp", "walk"]
+__all__ = [
+    "LOCK", "TRACKED", "FOREIGN", "UNTRACKED", "RELEASED", "FINISHED", "children", "saved",
+    "live_handles", "reach", "walk", "mark", "marked", "name", "file_strays", "unclaimed_strays",
+]
 
-_KEY = "graphprune"
-_ids = itertools.count(1)
+_CHILDREN = "graphprune"
+_STRAYS = "graphprune.strays"
+RELEASED = "graphprune.released"  # lost saved tensors to a prune
+FINISHED = "graphprune.finished"  # the root of a pruned output: protects nothing
+_saved_names: dict[type, tuple[str, ...]] = {}
 _local = threading.local()
+LOCK = threading.RLock()  # two threads may walk the same nodes
+
+TRACKED, FOREIGN, UNTRACKED = "tracked", "foreign", "untracked"
+_SCALAR_DTYPES = (torch.float64, torch.int64, torch.complex128, torch.bool)
 
 
-def _teardown_queue() -> collections.deque:
-    queue = getattr(_local, "teardown", None)
-    if queue is None:
-        queue = _local.teardown = collections.deque()
-        _local.draining = False
-    return queue
+def children(node) -> tuple:
+    """``node``'s children (wrappers), cached in its metadata on the first call."""
+    md = node.metadata
+    kids = md.get(_CHILDREN)
+    if kids is None:
+        kids = md[_CHILDREN] = tuple(fn for fn, _ in node.next_functions if fn is not None)
+        if type(node).__name__ == "CopySlices":
+            md[_STRAYS] = _claim_strays(node._sequence_nr())
+    return kids
 
 
-def pending_handles() -> dict[int, list[weakref.ref]]:
-    """This thread's saved handles not yet claimed by a node, by sequence number."""
-    pending = getattr(_local, "pending", None)
-    if pending is None:
-        pending = _local.pending = {}
-    return pending
+def name(node) -> str:
+    return node.name().rsplit("::", 1)[-1]
 
 
-class NodeRecord:
-    """What graphprune knows about one autograd node; lives in ``node.metadata``."""
-
-    __slots__ = ("id", "name", "children", "guarded")
-
-    def __init__(self, node_id: int, name: str, children: list):
-        self.id = node_id
-        self.name = name
-        self.children = children  # wrappers; see NOTE [ Deep graphs and Python wrappers ]
-        self.guarded = False  # zero-pass hooks registered; see _zero.py
-
-    def __del__(self) -> None:
-        try:
-            MODEL.mark_dead(self.id)
-            queue = _teardown_queue()
-            queue.append(self.children)
-            self.children = None
-            if _local.draining:
-                return
-            _local.draining = True
-            try:
-                while queue:
-                    queue.popleft()
-            finally:
-                _local.draining = False
-        except Exception:  # interpreter shutdown: module globals may be gone
-            pass
+def mark(node, flag: str) -> None:
+    """Leave ``flag`` (``RELEASED``, ``FINISHED``) on ``node``."""
+    node.metadata[flag] = True
 
 
-def walk(roots):
-    """Every node reachable from ``roots`` (wrappers), once each; a stack, never recursion."""
-    seen = set()
-    stack = [n for n in roots if n is not None]
-    while stack:
-        node = stack.pop()
-        if id(node) in seen:  # a wrapper stays the same object while its node lives
-            continue
-        seen.add(id(node))
-        yield node
-        stack.extend(fn for fn, _ in node.next_functions if fn is not None)
+def marked(node, flag: str) -> bool:
+    return flag in node.metadata
 
 
-def record_of(node) -> NodeRecord | None:
-    """The record stamped on ``node``, or ``None`` if graphprune has not seen it."""
-    return node.metadata.get(_KEY)
+def reach(roots, through_released: bool = True) -> dict[Node, int]:
+    """Every node reachable from ``roots`` (wrappers; ``None`` skipped), breadth-first,
+    each with the index of the first root that reached it.
 
-
-class GraphModel:
-    """The live tracked graph of this process, keyed by node id."""
-
-    def __init__(self) -> None:
-        self.graph = nx.DiGraph()
-        self.lock = threading.RLock()
-        self._dead: collections.deque[int] = collections.deque()
-        self.released: set[int] = set()  # nodes that lost saved tensors to a prune
-        self.finished: set[int] = set()  # root nodes of pruned outputs
-
-    def mark_dead(self, node_id: int) -> None:
-        self._dead.append(node_id)  # atomic; may run in any thread, inside any call
-
-    def purge(self) -> None:
-        """Forget the nodes whose C++ node has died."""
-        with self.lock:
-            while self._dead:
-                node_id = self._dead.popleft()
-                if node_id in self.graph:
-                    self.graph.remove_node(node_id)
-                self.released.discard(node_id)
-                self.finished.discard(node_id)
-
-    def add(self, nodes: list[tuple[int, dict, list[int]]]) -> None:
-        """Add new nodes ``(id, attributes, child ids)``; each child is new or known.
-
-        This runs for every autograd node built under ``track()``, so it fills
-        networkx's adjacency dicts directly (the layout ``DiGraph`` documents:
-        ``_node``, ``_succ``, ``_pred``) instead of paying ``add_node``/``add_edge``.
-        """
-        g = self.graph
-        node, succ, pred = g._node, g._succ, g._pred
-        with self.lock:
-            if len(self._dead) > 4096:
-                self.purge()
-            for n, attrs, _ in nodes:
-                node[n] = attrs
-                succ[n] = {}
-                pred[n] = {}
-            for n, _, children in nodes:
-                out = succ[n]
-                for child in children:
-                    out[child] = pred[child][n] = {}
-            nx._clear_cache(g)
-
-    def reach(self, sources: Iterable[int], through_released: bool = True) -> dict[int, int]:
-        """Nodes reachable from ``sources`` (themselves included), each with the
-        first source that reached it (breadth-first, sources in the given order).
-
-        With ``through_released=False`` the walk stops at nodes that lost saved
-        tensors: a pass that reaches one with a non-zero gradient raises, so nothing
-        behind it can be used that way (a zero-gradient pass needs nothing kept).
-        """
-        succ = self.graph._succ
-        stop = () if through_released else self.released
-        owner: dict[int, int] = {}
-        queue = collections.deque()
-        for s in sources:
-            if s in succ and s not in owner and s not in stop:
-                owner[s] = s
-                queue.append(s)
-        while queue:
-            n = queue.popleft()
-            label = owner[n]
-            for m in succ[n]:
-                if m not in owner and m not in stop:
-                    owner[m] = label
-                    queue.append(m)
-        return owner
-
-    def live_handles(self, node_id: int) -> list[SavedHandle]:
-        refs = self.graph._node[node_id]["handles"]
-        return [h for h in (r() for r in refs) if h is not None and not h.released]
-
-    def attach(self, node_id: int, refs: list[weakref.ref]) -> None:
-        """Give ``node_id`` handles that no node's sequence number claimed."""
-        attrs = self.graph._node[node_id]
-        attrs["handles"] = [*attrs["handles"], *refs]
-        attrs["foreign"] = False
-
-
-MODEL = GraphModel()
-
-
-def stamp(
-    root, tape_id: int | None = None, foreign: bool = False, since: int = 0, window: range = range(0)
-) -> int:
-    """Record ``root`` and every node below it not seen before; return ``root``'s id.
-
-    Nodes are walked with a stack, never recursion. A node gets the saved handles
-    this thread packed under its sequence number (DESIGN.md fact 4), so a node must
-    first be seen in the thread that built it. ``tape_id`` is the tape whose forward
-    built the node if its sequence number is at least ``since`` (older nodes were
-    built before the tape opened); ``None`` leaves nodes untracked unless they own
-    handles. ``foreign`` marks nodes built while other hooks were innermost.
-    ``window`` holds the sequence numbers of the torch call that made ``root``:
-    handles packed in it that no visible node claims belong to the ``CopySlices``
-    it made (which hides the in-place op on a view that saved them), else to
-    ``root`` (an in-place op whose saved clone took the next sequence number).
+    With ``through_released=False`` the walk stops at nodes that lost saved tensors:
+    a pass that reaches one with a non-zero gradient raises, so nothing behind it
+    can be used that way (a zero-gradient pass needs nothing kept).
     """
-    rec = root.metadata.get(_KEY)
-    if rec is not None:  # the common case: seen before
-        return rec.id
-    with MODEL.lock:  # two threads may reach the same unstamped nodes
-        return _stamp_new(root, tape_id, foreign, since, window)
+    out: dict = {}
+    queue: collections.deque = collections.deque()
+    with LOCK:
+        for i, node in enumerate(roots):
+            if node is not None and node not in out and (through_released or RELEASED not in node.metadata):
+                out[node] = i
+                queue.append(node)
+        while queue:
+            node = queue.popleft()
+            label = out[node]
+            kids = node.metadata.get(_CHILDREN)
+            for child in children(node) if kids is None else kids:
+                if child not in out and (through_released or RELEASED not in child.metadata):
+                    out[child] = label
+                    queue.append(child)
+    return out
 
 
-def _stamp_new(root, tape_id, foreign, since, window) -> int:
-    found = []
-    stack = [root]
-    while stack:
-        node = stack.pop()
-        if _KEY in node.metadata:
-            continue
-        children = [fn for fn, _ in node.next_functions if fn is not None]
-        rec = NodeRecord(next(_ids), node.name().rsplit("::", 1)[-1], children)
-        node.metadata[_KEY] = rec
-        found.append((rec, node, children))
-        stack.extend(children)
-    pending = pending_handles()
-    new = []
-    for rec, node, children in found:
-        seq = node._sequence_nr()
-        handles = _alive(pending.pop(seq, ())) or ()
-        for ref in handles:
-            ref().node_name = rec.name
-        if handles:
-            owner_tape = handles[0]().tape_id
-        else:
-            owner_tape = tape_id if seq >= since else None
-        attrs = {"op": rec.name, "tape": owner_tape, "handles": handles, "foreign": foreign and not handles}
-        new.append((rec.id, attrs, [c.metadata[_KEY].id for c in children]))
-    MODEL.add(new)
-    owner = _stray_owner(found, root, window)
-    if owner is not None:
-        stray = [r for seq in window for r in _alive(pending.pop(seq, ()))]
-        if stray:
-            for ref in stray:
-                ref().node_name = owner.name
-            MODEL.attach(owner.id, stray)
-    return root.metadata[_KEY].id
+def walk(roots) -> list:
+    """Every node reachable from ``roots`` (wrappers), once each; a queue, never recursion."""
+    return list(reach(roots))
 
 
-def _stray_owner(found: list, root, window: range) -> NodeRecord | None:
-    """The new node that owns the handles of a call that no node claimed."""
-    for rec, node, _ in found:
-        if rec.name == "CopySlices" and node._sequence_nr() in window:
-            return rec
-    if found and root._sequence_nr() in window:
-        return found[0][0]
-    return None
+# -- saved tensors --------------------------------------------------------------------
+def saved(node) -> tuple[list[SavedHandle], str]:
+    """The handles ``node`` saved (live or released), and its kind: ``"tracked"``
+    (graphprune holds its saved tensors, or it saved none), ``"foreign"`` (other
+    saved-tensor hooks hold them: checkpoint, save_on_cpu) or ``"untracked"`` (built
+    outside ``track()``: PyTorch holds them)."""
+    names = _saved_names.get(type(node))
+    if names is None:
+        names = _saved_names[type(node)] = tuple(n for n in dir(type(node)) if n.startswith("_raw_saved_"))
+    handles = [h for h in (r() for r in node.metadata.get(_STRAYS, ())) if h is not None]
+    kind = TRACKED
+    for attr in names:
+        for packed in _packed(node, attr):
+            if isinstance(packed, SavedHandle):
+                if packed not in handles:
+                    handles.append(packed)
+            elif isinstance(packed, torch.Tensor):
+                if kind == TRACKED and not _maybe_wrapped_number(packed):
+                    kind = UNTRACKED
+            elif packed is not None:
+                kind = FOREIGN
+    return handles, TRACKED if handles else kind
 
 
-def _alive(refs) -> list[weakref.ref]:
-    return [r for r in refs if r() is not None]
+def live_handles(node) -> list[SavedHandle]:
+    return [h for h in saved(node)[0] if h.tensor is not None]
+
+
+def _packed(node, attr: str) -> list:
+    """What the pack hook returned for ``node.<attr>``, without unpacking it."""
+    try:
+        value = getattr(node, attr)
+        items = value if isinstance(value, (tuple, list)) else (value,)
+        return [s.data for s in items if s is not None]
+    except RuntimeError:  # freed by a pass that did not retain the graph
+        return []
+
+
+def _maybe_wrapped_number(t: torch.Tensor) -> bool:
+    """PyTorch saves a Python scalar wrapped into a tensor (``x * 0.5``) without
+    calling saved-tensor hooks (``saved_variable.cpp``)."""
+    return t.dim() == 0 and not t.requires_grad and t.dtype in _SCALAR_DTYPES
+
+
+# -- handles hidden inside CopySlices --------------------------------------------------
+def _strays() -> dict[int, tuple[range, list[weakref.ref]]]:
+    strays = getattr(_local, "strays", None)
+    if strays is None:
+        strays = _local.strays = {}
+    return strays
+
+
+def file_strays(handles: list[SavedHandle], window: range) -> None:
+    """File the handles an in-place op on a view packed, under the sequence numbers
+    of its call, for the ``CopySlices`` it made (NOTE [ Lazy records ])."""
+    strays = _strays()
+    if len(strays) > 4096:
+        for seq in [s for s, (_, refs) in strays.items() if all(r() is None for r in refs)]:
+            del strays[seq]
+    entry = (window, [weakref.ref(h) for h in handles])
+    for seq in window:
+        strays[seq] = entry
+
+
+def _claim_strays(seq: int) -> tuple[weakref.ref, ...]:
+    """Weak references: PyTorch's own release (a pass without ``retain_graph``) must
+    free what the hidden node saved, as it frees every other node's tensors."""
+    strays = _strays()
+    window, refs = strays.get(seq, ((), ()))
+    for s in window:
+        strays.pop(s, None)
+    return tuple(refs)
+
+
+def unclaimed_strays() -> list[SavedHandle]:
+    """This thread's live handles filed for a ``CopySlices`` that no walk reached yet."""
+    entries = {id(e): e for e in _strays().values()}.values()
+    return [h for _, refs in entries for h in (r() for r in refs) if h is not None]

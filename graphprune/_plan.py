@@ -9,13 +9,16 @@ import functools
 import torch
 from torch.autograd.graph import Node
 
-from ._graph import MODEL, record_of, stamp, walk
+from . import _outputs
+from ._graph import FINISHED, FOREIGN, RELEASED, UNTRACKED, mark, marked, name, reach, saved
 from ._report import KeptReason, PruneReport, exclusive_bytes, unique_bytes
 from ._saved import SavedHandle
-from ._tape import LIVE
 from ._zero import guard_released
 
 __all__ = ["Plan", "as_outputs"]
+
+_FOREIGN_REASON = "saved under other saved-tensor hooks (checkpoint, save_on_cpu, ...)"
+_UNTRACKED_REASON = "built outside graphprune.track(); PyTorch holds its saved tensors"
 
 
 def as_outputs(value, call: str, arg: str) -> list[torch.Tensor]:
@@ -34,8 +37,8 @@ def as_outputs(value, call: str, arg: str) -> list[torch.Tensor]:
     return items
 
 
-def _keep_roots(keep, call: str) -> list[tuple[int, str]]:
-    """``(node id, description)`` of each root that ``keep`` protects."""
+def _keep_roots(keep, call: str) -> list[tuple[Node, str]]:
+    """``(node, description)`` of each root that ``keep`` protects."""
     items = list(keep) if isinstance(keep, (list, tuple)) else [keep]
     roots = []
     for i, k in enumerate(items):
@@ -44,15 +47,33 @@ def _keep_roots(keep, call: str) -> list[tuple[int, str]]:
             if not k.requires_grad:
                 raise ValueError(f"{call}: {name} does not require grad; it has no graph to keep")
             if k.grad_fn is not None:
-                roots.append((stamp(k.grad_fn), f"{name}: {LIVE.describe(k)}"))
+                roots.append((k.grad_fn, f"{name}: {_outputs.describe(k)}"))
         elif isinstance(k, Node):
-            roots.append((stamp(k), f"{name}: node {k.name()}"))
+            roots.append((k, f"{name}: node {k.name()}"))
         else:
             raise TypeError(
                 f"{call}: {name} must be a tensor, a grad_fn node or a sequence of them, "
                 f"got {type(k).__name__}"
             )
     return roots
+
+
+def live_roots(exclude=(), finished: bool = False) -> list[tuple[Node, str]]:
+    """``(grad_fn, description)`` of each live tracked tensor not in ``exclude`` that
+    still protects something: its graph is found through its current ``grad_fn``
+    (in-place ops move it), and an output already pruned (its node finished)
+    protects nothing (``finished=True`` lists those too)."""
+    out = []
+    for t in _outputs.live():
+        if any(t is e for e in exclude):
+            continue
+        try:
+            fn = t.grad_fn
+        except RuntimeError:  # a view made under no_grad and modified in place
+            continue
+        if fn is not None and (finished or not marked(fn, FINISHED)):
+            out.append((fn, f"still reachable from the live {_outputs.describe(t)}"))
+    return out
 
 
 class Plan:
@@ -64,59 +85,46 @@ class Plan:
 
     def __init__(self, call: str, outputs, keep, arg: str = "y", extra=()):
         ys = self.outputs = as_outputs(outputs, call, arg)
-        described = ", ".join(LIVE.describe(t) for t in ys)
-        self.reason = f"{call}({described})"
+        self.reason = f"{call}({', '.join(_outputs.describe(t) for t in ys)})"
         self._hooks: list = []
-        self._wrappers: list | None = None
-        with MODEL.lock:
-            MODEL.purge()
-            roots = [stamp(t.grad_fn) for t in ys]
-            if keep is None:
-                live = LIVE.roots(tuple(ys))
-                guards = [(n, f"still reachable from the live {e.describe()}") for n, e in live]
-            else:
-                guards = _keep_roots(keep, call)
-            guards += [(stamp(t.grad_fn), "the graph of a gradient made with create_graph=True")
-                       for t in extra if t is not None and t.grad_fn is not None]
-            self.reach = MODEL.reach(roots)
-            guards.sort(key=lambda g: g[0] not in self.reach)  # explain by nearest protector
-            self.protected = MODEL.reach((n for n, _ in guards), through_released=False)
-            self.guard_text = dict(reversed(guards))
-            self.branch = [n for n in self.reach if n not in self.protected]
-            self.roots = [n for n in roots if n not in self.protected]
-            self.handles_by_node, self.report_args = self._measure()
+        guards = live_roots(ys) if keep is None else _keep_roots(keep, call)
+        guards += [(t.grad_fn, "the graph of a gradient made with create_graph=True")
+                   for t in extra if t is not None and t.grad_fn is not None]
+        self.reach = reach([t.grad_fn for t in ys])
+        guards.sort(key=lambda g: g[0] not in self.reach)  # explain by nearest protector
+        self.protected = reach((node for node, _ in guards), through_released=False)
+        self.guard_text = [text for _, text in guards]
+        self.branch = [node for node in self.reach if node not in self.protected]
+        self.roots = [t.grad_fn for t in ys if t.grad_fn not in self.protected]
+        self.handles_by_node, self.report_args = self._measure()
 
-    def _measure(self) -> tuple[dict[int, list[SavedHandle]], dict]:
+    def _measure(self) -> tuple[dict, dict]:
         """The branch's live handles by node, and the report's numbers, in one pass."""
-        data = MODEL.graph._node
         released: collections.Counter = collections.Counter()
-        by_node: dict[int, list[SavedHandle]] = {}
-        for n in self.branch:
-            live = MODEL.live_handles(n)
-            if live:
-                released[data[n]["op"]] += 1
-                by_node[n] = live
-        kept_by: dict[str, list[int]] = collections.defaultdict(list)
-        unknown = set()
-        for n in self.reach:
-            d = data[n]
-            if d["foreign"]:
-                reason = "saved under other saved-tensor hooks (checkpoint, save_on_cpu, ...)"
-            elif d["tape"] is None and not d["op"].endswith("AccumulateGrad"):
-                reason = "built outside graphprune.track(); PyTorch holds its saved tensors"
-            elif n in self.protected:
-                kept_by[self.guard_text[self.protected[n]]].append(n)
-                continue
+        by_node: dict = {}
+        kept_by: dict[str, list[list[SavedHandle]]] = collections.defaultdict(list)
+        for node in self.reach:
+            handles, kind = saved(node)
+            live = [h for h in handles if h.tensor is not None]
+            if kind == FOREIGN:
+                reason = _FOREIGN_REASON
+            elif kind == UNTRACKED:
+                reason = _UNTRACKED_REASON
+            elif node in self.protected:
+                reason = self.guard_text[self.protected[node]]
             else:
+                if live:
+                    released[name(node)] += 1
+                    by_node[node] = live
                 continue
-            kept_by[reason].append(n)
-            unknown.add(reason)
-        trunk: list[SavedHandle] = []
+            kept_by[reason].append(live)
+        trunk = []
         kept = []
-        for reason, nodes in kept_by.items():
-            held = [h for n in nodes for h in MODEL.live_handles(n) if not h.leaf]
+        for reason, groups in kept_by.items():
+            held = [h for live in groups for h in live if not h.leaf]
             trunk += held
-            kept.append(KeptReason(reason, len(nodes), None if reason in unknown else unique_bytes(held)))
+            unknown = reason in (_FOREIGN_REASON, _UNTRACKED_REASON)  # not graphprune's handles
+            kept.append(KeptReason(reason, len(groups), None if unknown else unique_bytes(held)))
         handles = [h for live in by_node.values() for h in live]
         return by_node, dict(
             released_nodes=dict(released),
@@ -129,18 +137,6 @@ class Plan:
     def report(self, call: str, dry_run: bool) -> PruneReport:
         return PruneReport(call=call, dry_run=dry_run, **self.report_args)
 
-    def _saving_wrappers(self) -> list:
-        """``(node id, wrapper)`` of the branch nodes that saved something, walked
-        once per plan (``arm`` and ``release`` both need them).
-
-        The walk goes through kept nodes too: a branch node may hang below one
-        (protection stops at nodes that lost tensors, reachability does not)."""
-        if self._wrappers is None:
-            saving = self.handles_by_node
-            records = ((record_of(node), node) for node in walk(t.grad_fn for t in self.outputs))
-            self._wrappers = [(r.id, node) for r, node in records if r is not None and r.id in saving]
-        return self._wrappers
-
     def arm(self) -> None:
         """NOTE [ Release during backward ]: each branch node lets its handles go as
         soon as it has run, as ``retain_graph=False`` would; a post-hook, not the
@@ -151,8 +147,8 @@ class Plan:
         note = functools.partial(_note_task, task)
         for t in self.outputs:
             self._hooks.append(t.grad_fn.register_prehook(note))
-        for n, node in self._saving_wrappers():
-            release = functools.partial(_release_after_run, self.handles_by_node[n], self.reason, task)
+        for node, live in self.handles_by_node.items():
+            release = functools.partial(_release_after_run, live, self.reason, task)
             self._hooks.append(node.register_hook(release))
 
     def _disarm(self) -> None:
@@ -160,12 +156,11 @@ class Plan:
             hook.remove()
         self._hooks = []
 
-    def _mark_released(self, node_ids) -> None:
+    def _mark_released(self, nodes) -> None:
         """Let zero-gradient passes through these nodes; stop protection walks there."""
-        node_ids = set(node_ids)
-        guard_released(node for n, node in self._saving_wrappers() if n in node_ids)
-        with MODEL.lock:
-            MODEL.released.update(n for n in node_ids if n in MODEL.graph)
+        for node in nodes:
+            guard_released(node)
+            mark(node, RELEASED)
 
     def release(self) -> None:
         """Release every branch handle; the branch's roots protect nothing any more."""
@@ -174,15 +169,15 @@ class Plan:
             for h in live:
                 h.release(self.reason)
         self._mark_released(self.handles_by_node)
-        with MODEL.lock:
-            MODEL.finished.update(n for n in self.roots if n in MODEL.graph)
+        for node in self.roots:
+            mark(node, FINISHED)
 
     def abandon(self) -> None:
         """The pass raised: keep what it had not used, and say where the rest went."""
         self._disarm()
-        ran = [n for n, live in self.handles_by_node.items() if any(h.released for h in live)]
-        for n in ran:
-            for h in self.handles_by_node[n]:
+        ran = [node for node, live in self.handles_by_node.items() if any(h.released for h in live)]
+        for node in ran:
+            for h in self.handles_by_node[node]:
                 if h.released:
                     h.released_by = f"{self.reason}, whose pass raised before it finished"
         self._mark_released(ran)

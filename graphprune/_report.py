@@ -3,37 +3,47 @@
 from __future__ import annotations
 
 import collections
+import sys
 from dataclasses import dataclass, field
 
 import networkx as nx
 import torch
 
-from ._graph import MODEL
-from ._saved import SavedHandle
+from ._graph import reach
+from ._saved import SavedHandle, storage_of
 
 __all__ = ["PruneReport", "KeptReason", "unique_bytes", "exclusive_bytes", "snapshot"]
 
 
 def unique_bytes(handles: list[SavedHandle]) -> int:
-    """Bytes of the distinct storages behind ``handles``."""
-    return sum({h.storage_key: h.nbytes for h in handles}.values())
+    """Bytes of the distinct storages behind ``handles`` (live ones)."""
+    return sum(dict(storage_of(h.tensor) for h in handles).values())
 
 
 def exclusive_bytes(handles: list[SavedHandle]) -> int:
-    """Bytes that dropping ``handles`` gives back: storages nothing else uses."""
+    """Bytes that dropping ``handles`` (live ones) gives back: storages nothing else uses."""
     by_storage: dict[tuple, list[SavedHandle]] = collections.defaultdict(list)
+    sizes = {}
     for h in handles:
-        by_storage[h.storage_key].append(h)
-    total = 0
-    for group in by_storage.values():
-        try:
-            storage = group[0].tensor.untyped_storage()
-            others = torch._C._storage_Use_Count(storage._cdata) - 1 - len(group)
-        except (RuntimeError, NotImplementedError, AttributeError):
-            others = 0
-        if others <= 0:
-            total += group[0].nbytes
-    return total
+        key, sizes[key] = storage_of(h.tensor)
+        by_storage[key].append(h)
+    return sum(sizes[key] for key, group in by_storage.items() if not _held_elsewhere(group))
+
+
+def _held_elsewhere(group: list[SavedHandle]) -> bool:
+    """Whether anything but ``group`` uses the storage its handles share: another
+    reference to a tensor a handle holds as it is (a leaf: a parameter, an input), or
+    another tensor on the storage (the output a handle's detached alias came from)."""
+    tensors = {id(h.tensor): h.tensor for h in group}
+    for t in tensors.values():
+        mine = sum(h.tensor is t for h in group)
+        if sys.getrefcount(t) - mine - 3 > 0:  # 3: the dict, the loop, getrefcount's argument
+            return True
+    try:
+        storage = group[0].tensor.untyped_storage()  # one more use while it lives
+        return torch._C._storage_Use_Count(storage._cdata) - 1 - len(tensors) > 0
+    except (RuntimeError, NotImplementedError, AttributeError):  # sparse, nested
+        return False
 
 
 @dataclass(frozen=True)
@@ -92,28 +102,32 @@ def _fmt_bytes(n: int) -> str:
     raise AssertionError("unreachable")
 
 
-def snapshot(tape_id: int | None = None) -> nx.DiGraph:
-    """Copy the live model (one tape's nodes, or all) into a plain ``DiGraph``."""
-    from ._tape import LIVE
+def snapshot(tape) -> nx.DiGraph:
+    """Copy the live graph of ``tape``'s forwards into a plain ``DiGraph``: the nodes
+    that the live tracked tensors reach and that the tape built."""
+    from ._graph import RELEASED, TRACKED, children, name, saved
+    from ._plan import live_roots
 
-    with MODEL.lock:
-        MODEL.purge()
-        g = MODEL.graph
-        trunk = MODEL.reach((node_id for node_id, _ in LIVE.roots()), through_released=False)
-        keep = [n for n, d in g.nodes(data=True) if tape_id is None or d["tape"] == tape_id]
-        out = nx.DiGraph()
-        for n in keep:
-            d = g.nodes[n]
-            handles = [h for h in (r() for r in d["handles"]) if h is not None]
-            live = [h for h in handles if not h.released]
-            if n in MODEL.released:
-                state = "released"
-            elif d["tape"] is None or d["foreign"]:
-                state = "untracked"
-            else:
-                state = "trunk" if n in trunk else "branch"
-            out.add_node(
-                n, op=d["op"], saved_tensors=len(live), saved_bytes=unique_bytes(live), state=state
-            )
-        out.add_edges_from(g.subgraph(keep).edges())
+    trunk = reach((node for node, _ in live_roots()), through_released=False)
+    mine = {}
+    for node in reach(node for node, _ in live_roots(finished=True)):
+        handles, kind = saved(node)
+        if tape.owns(node, handles, kind):
+            mine[node] = (handles, kind)
+    for node in list(mine):  # the leaves it accumulates into
+        for child in children(node):
+            if child not in mine and name(child) == "AccumulateGrad":
+                mine[child] = ([], TRACKED)
+    out = nx.DiGraph()
+    for node, (handles, kind) in mine.items():
+        live = [h for h in handles if h.tensor is not None]
+        if RELEASED in node.metadata:
+            state = "released"
+        elif kind != TRACKED:
+            state = "untracked"
+        else:
+            state = "trunk" if node in trunk else "branch"
+        out.add_node(id(node), op=name(node), saved_tensors=len(live), saved_bytes=unique_bytes(live),
+                     state=state)
+    out.add_edges_from((id(node), id(child)) for node in mine for child in children(node) if child in mine)
     return out

@@ -4,6 +4,12 @@ With saved-tensor hooks set, a ``SavedVariable`` keeps no data of its own: it ke
 the object the pack hook returned. graphprune returns a :class:`SavedHandle`, so
 dropping the handle's tensor frees the storage (unless something else still uses
 it) while the autograd node stays intact.
+
+NOTE [ What the forward pays ]
+The pack hook runs once per saved tensor of every op of every forward, so a handle
+is one small object and nothing else: the tensor, its version, the tape and whether
+it is a parameter. Which node owns it, its storage and its size are found at prune
+time (``_graph.saved_handles`` reads ``node._raw_saved_*``), never in the forward.
 """
 
 from __future__ import annotations
@@ -13,7 +19,7 @@ import torch
 from ._zero import in_zero_pass, placeholder
 from .errors import InplaceModifiedError, ReleasedTensorError
 
-__all__ = ["SavedHandle", "storage_of"]
+__all__ = ["SavedHandle", "pack", "storage_of"]
 
 
 def storage_of(t: torch.Tensor) -> tuple[tuple, int]:
@@ -30,33 +36,17 @@ class SavedHandle:
 
     ``tensor`` is ``t.detach()``, never ``t`` itself: the live tensor carries its
     ``grad_fn``, and for saved outputs that is a reference cycle through C++ that
-    ``gc`` cannot break (DESIGN.md fact 2).
+    ``gc`` cannot break (DESIGN.md fact 2). A leaf (a parameter, an input, a mask)
+    has no ``grad_fn``, so it is held as it is: no new object in the forward.
     """
 
-    __slots__ = (
-        "tensor",
-        "version",
-        "seq",
-        "tape_id",
-        "node_name",
-        "storage_key",
-        "nbytes",
-        "released_by",
-        "meta",
-        "leaf",
-        "__weakref__",
-    )
+    __slots__ = ("tensor", "version", "tape", "leaf", "released_by", "meta", "__weakref__")
 
-    def __init__(self, t: torch.Tensor, seq: int, tape_id: int):
-        self.tensor: torch.Tensor | None = t.detach()
-        self.version = t._version
-        self.seq = seq
-        self.tape_id = tape_id
-        self.node_name: str | None = None
-        self.storage_key, self.nbytes = storage_of(t)
-        self.released_by: str | None = None
-        self.meta: tuple | None = None  # shape, dtype, device of a released tensor
-        self.leaf = t.is_leaf  # a parameter or input: pruning never frees its storage
+    def __init__(self, tensor: torch.Tensor, version: int, tape: int, leaf: bool):
+        self.tensor: torch.Tensor | None = tensor
+        self.version = version
+        self.tape = tape
+        self.leaf = leaf  # a parameter or an input: pruning never frees its storage
 
     @property
     def released(self) -> bool:
@@ -81,15 +71,9 @@ class SavedHandle:
             raise InplaceModifiedError(self._inplace_message(t))
         return t
 
-    def _name(self) -> str:
-        if self.node_name is not None:
-            return self.node_name
-        node = torch._C._current_autograd_node()
-        return node.name() if node is not None else "an autograd node"
-
     def _released_message(self) -> str:
         return (
-            f"graphprune: a backward pass needs a saved tensor of {self._name()} that was "
+            f"graphprune: a backward pass needs a saved tensor of {_running_node()} that was "
             f"released by {self.released_by}. Pass keep=<the tensor you backpropagate later> "
             "to that call, or run this backward before pruning."
         )
@@ -97,8 +81,28 @@ class SavedHandle:
     def _inplace_message(self, t: torch.Tensor) -> str:
         return (
             "graphprune: one of the variables needed for gradient computation has been "
-            f"modified by an inplace operation: [{t.type()} {list(t.shape)}], saved by "
-            f"{self._name()}, is at version {t._version}; expected version {self.version} "
+            f"modified by an inplace operation: [{_describe(t)}], saved by "
+            f"{_running_node()}, is at version {t._version}; expected version {self.version} "
             "instead. Hint: PyTorch skips this check while saved-tensor hooks are set; "
             "graphprune restores it. Clone the tensor before modifying it in place."
         )
+
+
+def pack(t: torch.Tensor, tape: int) -> SavedHandle:
+    """The handle for ``t``, saved under tape ``tape``; see NOTE [ What the forward pays ]."""
+    if t.is_leaf:
+        return SavedHandle(t, t._version, tape, True)
+    return SavedHandle(t.detach(), t._version, tape, False)
+
+
+def _running_node() -> str:
+    node = torch._C._current_autograd_node()
+    return node.name() if node is not None else "an autograd node"
+
+
+def _describe(t: torch.Tensor) -> str:
+    """``torch.FloatTensor [2, 3]`` as PyTorch's own message writes it; nested tensors
+    have no single shape, and PyTorch's message names only their type."""
+    if t.is_nested:
+        return f"{t.type()} (nested)"
+    return f"{t.type()} {list(t.shape)}"

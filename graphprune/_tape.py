@@ -4,161 +4,152 @@ from __future__ import annotations
 
 import functools
 import itertools
-import os
-import sys
 import threading
-import weakref
-from typing import NamedTuple
+from weakref import getweakrefcount
 
 import networkx as nx
 import torch
 from torch.overrides import TorchFunctionMode
 
-from ._graph import MODEL, pending_handles, stamp
-from ._saved import SavedHandle
+from . import _outputs
+from ._graph import file_strays
+from ._saved import SavedHandle, pack
 
-__all__ = ["Tape", "track", "LIVE", "LiveTensor"]
+__all__ = ["Tape", "track"]
 
 _tape_ids = itertools.count(1)
-_TORCH_DIR = os.path.dirname(torch.__file__)
-_OWN_DIR = os.path.dirname(__file__)
-
-
-class LiveTensor(NamedTuple):
-    """A tensor created under ``track()``: a weak reference and the line that made it."""
-
-    ref: weakref.ref
-    where: tuple[str, int]
-
-    def describe(self) -> str:
-        t = self.ref()
-        path, line = self.where
-        shape = "?" if t is None else tuple(t.shape)
-        dtype = "?" if t is None else t.dtype
-        return f"tensor of shape {shape}, {dtype}, created at {os.path.basename(path)}:{line}"
-
-
-class _LiveTensors:
-    """Weak references to every tensor with a ``grad_fn`` that a tape saw created."""
-
-    def __init__(self) -> None:
-        self._by_id: dict[int, LiveTensor] = {}
-
-    def _forget(self, key: int, ref: weakref.ref) -> None:
-        entry = self._by_id.get(key)
-        if entry is not None and entry.ref is ref:
-            del self._by_id[key]
-
-    def _entry(self, t: torch.Tensor) -> LiveTensor | None:
-        entry = self._by_id.get(id(t))  # ids are reused: check it is still this tensor
-        return entry if entry is not None and entry.ref() is t else None
-
-    def add(self, t: torch.Tensor, where: tuple[str, int]) -> None:
-        if self._entry(t) is None:
-            key = id(t)
-            self._by_id[key] = LiveTensor(weakref.ref(t, functools.partial(self._forget, key)), where)
-
-    def has(self, t: torch.Tensor) -> bool:
-        return self._entry(t) is not None
-
-    def roots(self, exclude: tuple = ()) -> list[tuple[int, LiveTensor]]:
-        """``(node id, entry)`` of each live tensor not in ``exclude`` that still
-        protects something: its graph is found again through its current
-        ``grad_fn`` (in-place ops move it), and an output already pruned (its node
-        finished) protects nothing."""
-        out = []
-        for entry in list(self._by_id.values()):
-            t = entry.ref()
-            if t is None or any(t is e for e in exclude):
-                continue
-            fn = t.grad_fn
-            if fn is not None and (n := stamp(fn)) not in MODEL.finished:
-                out.append((n, entry))
-        return out
-
-    def describe(self, t: torch.Tensor) -> str:
-        entry = self._entry(t)
-        return entry.describe() if entry else f"tensor of shape {tuple(t.shape)}, {t.dtype}"
-
-
-LIVE = _LiveTensors()
-_library_file: dict[str, bool] = {}  # co_filename -> inside torch or graphprune
-_active = threading.local()  # .tapes: this thread's open tapes, innermost last
-
-
-def _caller() -> tuple[str, int]:
-    """``(file, line)`` of the first frame outside torch and graphprune."""
-    frame = sys._getframe(2)
-    while frame is not None:
-        path = frame.f_code.co_filename
-        inside = _library_file.get(path)
-        if inside is None:
-            inside = _library_file[path] = path.startswith((_TORCH_DIR, _OWN_DIR))
-        if not inside:
-            return path, frame.f_lineno
-        frame = frame.f_back
-    return "<unknown>", 0
+_OWN_FILE = f'"{__file__}"'
+_NoSubclassDispatch = torch._C.DisableTorchFunctionSubclass
+_is_compiling = torch.compiler.is_compiling
+_local = threading.local()  # .tapes: this thread's open tapes, innermost last
+_Tensor = torch.Tensor
+_inplace_funcs: dict = {}  # func -> whether it modifies its first argument in place
+_INPLACE_DUNDERS = frozenset(
+    f"__i{op}__" for op in ("add", "sub", "mul", "truediv", "floordiv", "mod", "pow",
+                            "and", "or", "xor", "lshift", "rshift", "matmul")
+)
 
 
 def _open_tapes() -> list:
-    tapes = getattr(_active, "tapes", None)
+    tapes = getattr(_local, "tapes", None)
     if tapes is None:
-        tapes = _active.tapes = []
+        tapes = _local.tapes = []
     return tapes
 
 
-def _owner_seq(t: torch.Tensor, seq: int) -> int:
-    """Sequence number of the node that saves ``t``: the last one built (DESIGN.md
-    fact 4), with two exceptions where ``t``'s own node was built after the saver.
-
-    - In-place ops that save their input as it was (``mul_``, ``clamp_min_``) save a
-      clone, whose CloneBackward0 came after them.
-    - In-place ops on a view that save their result (``h[1:3].sigmoid_()``) save the
-      view after autograd rebuilt its ``grad_fn``, a view replay over the
-      ``CopySlices`` that runs the op; the replay saves nothing itself.
-    """
-    fn = t.grad_fn
-    if fn is None or fn._sequence_nr() != seq:
-        return seq
-    if fn.name() == "CloneBackward0":
-        return seq - 1
-    if t._is_view():
-        base = fn.next_functions[0][0] if fn.next_functions else None
-        if base is not None and base.name().endswith("CopySlices"):
-            return base._sequence_nr()
-    return seq
+def _is_inplace(func) -> bool:
+    name = getattr(func, "__name__", "")
+    return name in _INPLACE_DUNDERS or (name.endswith("_") and not name.startswith("_"))
 
 
-def _is_own_hook(hooks) -> bool:
-    return hooks is not None and getattr(hooks[0], "__graphprune__", False)
-
-
-def _tensors(value) -> list[torch.Tensor]:
-    if isinstance(value, torch.Tensor):
-        return [value]
-    if isinstance(value, (tuple, list)):
-        return [t for t in value if isinstance(t, torch.Tensor)]
-    return []
+def _own_pack_hook():
+    """This thread's innermost pack hook if it is graphprune's, else ``None``."""
+    top = torch._C._autograd._top_saved_tensors_default_hooks(False)
+    return top[0] if top is not None and getattr(top[0], "__graphprune__", False) else None
 
 
 class _OutputRecorder(TorchFunctionMode):
-    """Sees every Python-level torch call under the tape and records its tensors."""
+    """Sees every Python-level torch call under a tape and notes its outputs.
 
-    def __init__(self, tape: Tape):
-        super().__init__()
-        self.tape = tape
+    NOTE [ What the forward pays ]: one weak reference per output with a ``grad_fn``
+    (``is_leaf`` asks without creating a ``grad_fn`` wrapper). Inputs that the
+    recorder never saw made (an ``autograd.Function``'s outputs: ``apply`` is no
+    torch call) are noted when a later call uses them: a tensor with no weak
+    reference at all cannot have been noted, so the check is one C call.
+    """
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
-        tape = self.tape
-        if _open_tapes()[-1] is not tape:  # an inner tape records this call
-            return func(*args, **(kwargs or {}))
-        first = torch._C._autograd._get_sequence_nr()
-        out = func(*args, **(kwargs or {}))
-        outs = _tensors(out)
-        if outs:
-            tape._record(outs, range(first, torch._C._autograd._get_sequence_nr()))
-        tape._record_inputs(args)
+        if kwargs is None:
+            kwargs = {}
+        if _is_compiling():  # Dynamo traces this: stay out of the compiled graph
+            return func(*args, **kwargs)
+        inplace = _inplace_funcs.get(func)
+        if inplace is None:
+            inplace = _inplace_funcs[func] = _is_inplace(func)
+        if inplace and args and isinstance(args[0], _Tensor) and _is_view(args[0]):
+            return _call_inplace_on_view(func, args, kwargs)
+        out = func(*args, **kwargs)
+        _note_safely(out, args)
         return out
+
+
+def _is_view(t: torch.Tensor) -> bool:
+    with _NoSubclassDispatch():
+        return t._is_view()
+
+
+def _note_safely(out, args) -> None:
+    """Note a call's tensors without changing what the program sees: a tensor
+    subclass's own ``__torch_function__`` is not called for graphprune's reads, and
+    anomaly mode's tracebacks do not show graphprune's frame."""
+    try:
+        if type(out) is _Tensor:
+            _note_call(out, args)
+        else:
+            with _NoSubclassDispatch():
+                _note_call(out, args)
+    except RuntimeError:  # a view made under no_grad, modified in place: its
+        return  # grad_fn raises, and plain PyTorch would never have read it
+    if torch.is_anomaly_enabled():
+        _drop_own_frames(out)
+
+
+def _drop_own_frames(out) -> None:
+    for t in out if isinstance(out, (tuple, list)) else (out,):
+        if isinstance(t, _Tensor) and t.grad_fn is not None:
+            stack = t.grad_fn.metadata.get("traceback_")
+            if stack:
+                t.grad_fn.metadata["traceback_"] = [f for f in stack if _OWN_FILE not in f]
+
+
+def _note_call(out, args) -> None:
+    if isinstance(out, _Tensor):
+        if not out.is_leaf:
+            _outputs.note((out,))
+    elif isinstance(out, (tuple, list)):
+        made = [t for t in out if isinstance(t, _Tensor) and not t.is_leaf]
+        if made:
+            _outputs.note(made)
+    for a in args:
+        if isinstance(a, _Tensor):
+            if a.requires_grad and not getweakrefcount(a) and not a.is_leaf:
+                _note_unseen(a)
+        elif isinstance(a, (tuple, list)):
+            for t in a:
+                if isinstance(t, _Tensor) and t.requires_grad and not getweakrefcount(t) and not t.is_leaf:
+                    _note_unseen(t)
+
+
+def _note_unseen(t: torch.Tensor) -> None:
+    """``t`` has a ``grad_fn`` that no torch call under a tape made: made under a tape
+    (a custom ``Function``'s output), it protects its graph; made before, it does not."""
+    tapes = _open_tapes()
+    first = tapes[0].first_seq if tapes else None
+    _outputs.note((t,), ours=first is not None and t.grad_fn._sequence_nr() >= first)
+
+
+def _call_inplace_on_view(func, args, kwargs):
+    """An in-place op on a view: autograd hides the node that saves tensors inside a
+    ``CopySlices``; collect what it packs and file it for that node
+    (NOTE [ Lazy records ] in ``_graph.py``)."""
+    own = _own_pack_hook()
+    if own is None:
+        out = func(*args, **kwargs)
+    else:
+        packed: list[SavedHandle] = []
+
+        def collect(t):
+            h = own(t)
+            packed.append(h)
+            return h
+
+        first = torch._C._autograd._get_sequence_nr()
+        with torch.autograd.graph.saved_tensors_hooks(collect, SavedHandle.unpack):
+            out = func(*args, **kwargs)
+        if packed and out is args[0]:
+            file_strays(packed, range(first, torch._C._autograd._get_sequence_nr()))
+    _note_safely(out, args)
+    return out
 
 
 class Tape:
@@ -169,82 +160,62 @@ class Tape:
 
     def __init__(self) -> None:
         self.id = next(_tape_ids)
-        self.saved_count = 0
-        self._first_seq = 0
+        self.first_seq = 0  # sequence numbers of the nodes built while it was open
+        self.end_seq: int | None = None
+        self._inner: list[range] = []  # windows of the tapes opened inside this one
         self._thread = None
         self._hooks = None
         self._mode = None
-
-    # -- hooks ---------------------------------------------------------------------
-    def _pack(self, t: torch.Tensor) -> SavedHandle:
-        seq = _owner_seq(t, torch._C._autograd._get_sequence_nr() - 1)
-        handle = SavedHandle(t, seq, self.id)
-        pending = pending_handles()
-        pending.setdefault(seq, []).append(weakref.ref(handle))
-        self.saved_count += 1
-        if len(pending) > 65536:
-            _forget_dead(pending)
-        return handle
-
-    def _record(self, outs: list[torch.Tensor], window: range) -> None:
-        """Stamp the nodes a torch call made and note its outputs as live tensors."""
-        where = None
-        for t in outs:
-            fn = t.grad_fn
-            if fn is None:
-                continue
-            if where is None:
-                where = _caller()
-                top = torch._C._autograd._top_saved_tensors_default_hooks(False)
-            stamp(fn, self.id, foreign=not _is_own_hook(top), since=self._first_seq, window=window)
-            LIVE.add(t, where)
-
-    def _record_inputs(self, args) -> None:
-        """Note tensors the recorder never saw made: outputs of ``autograd.Function``
-        (custom ops, reentrant checkpoint), whose ``apply`` is no torch call."""
-        for a in args:
-            for t in _tensors(a):
-                if LIVE.has(t):
-                    continue
-                fn = t.grad_fn
-                if fn is not None and fn._sequence_nr() >= self._first_seq:
-                    stamp(fn, self.id, since=self._first_seq)
-                    LIVE.add(t, _caller())
 
     # -- context manager ---------------------------------------------------------------
     def __enter__(self) -> Tape:
         if self._hooks is not None:
             raise RuntimeError("graphprune.track: this tape is already active; use a new track()")
+        if self.end_seq is not None:
+            raise RuntimeError("graphprune.track: this tape was closed; use a new track()")
+        tapes = _open_tapes()
         self._thread = threading.get_ident()
-        self._first_seq = torch._C._autograd._get_sequence_nr()
-        pack = self._pack
-        unpack = SavedHandle.unpack
-
-        def pack_hook(t):
-            return pack(t)
-
+        self.first_seq = torch._C._autograd._get_sequence_nr()
+        pack_hook = functools.partial(pack, tape=self.id)
         pack_hook.__graphprune__ = True
-        self._hooks = torch.autograd.graph.saved_tensors_hooks(pack_hook, unpack)
-        self._mode = _OutputRecorder(self)
-        self._hooks.__enter__()
-        try:
-            self._mode.__enter__()
-        except BaseException:
-            self._hooks.__exit__(None, None, None)
-            self._hooks = None
-            raise
-        _open_tapes().append(self)
+        hooks = torch.autograd.graph.saved_tensors_hooks(pack_hook, SavedHandle.unpack)
+        hooks.__enter__()
+        if not tapes:  # one recorder per thread: the outermost tape's
+            try:
+                self._mode = _OutputRecorder()
+                self._mode.__enter__()
+            except BaseException:
+                hooks.__exit__(None, None, None)
+                self._mode = None
+                raise
+        self._hooks = hooks
+        tapes.append(self)
         return self
 
     def __exit__(self, *exc) -> None:
         if threading.get_ident() != self._thread:
             raise RuntimeError("graphprune.track: a tape must be closed in the thread that opened it")
+        tapes = _open_tapes()
         try:
-            _open_tapes().remove(self)
-            self._mode.__exit__(*exc)
+            tapes.remove(self)
+            if self._mode is not None:
+                self._mode.__exit__(*exc)
         finally:
             self._hooks.__exit__(*exc)
             self._hooks = self._mode = None
+            self.end_seq = torch._C._autograd._get_sequence_nr()
+            if tapes:
+                tapes[-1]._inner.append(range(self.first_seq, self.end_seq))
+
+    def owns(self, node, handles, kind: str) -> bool:
+        """Whether this tape's forward built ``node``, which saved ``handles`` (of ``kind``)."""
+        if handles:
+            return handles[0].tape == self.id
+        seq = node._sequence_nr()
+        end = self.end_seq if self.end_seq is not None else torch._C._autograd._get_sequence_nr()
+        if kind == "untracked" or not self.first_seq <= seq < end:
+            return False
+        return not any(seq in inner for inner in self._inner)
 
     # -- inspection ----------------------------------------------------------------------
     def graph(self) -> nx.DiGraph:
@@ -270,16 +241,11 @@ class Tape:
         """
         from ._report import snapshot
 
-        return snapshot(tape_id=self.id)
+        return snapshot(self)
 
     def __repr__(self) -> str:
         state = "active" if self._hooks is not None else "closed"
-        return f"<graphprune.Tape {self.id} {state}, {self.saved_count} tensors saved>"
-
-
-def _forget_dead(pending: dict) -> None:
-    for seq in [s for s, refs in pending.items() if all(r() is None for r in refs)]:
-        del pending[seq]
+        return f"<graphprune.Tape {self.id} {state}>"
 
 
 def track() -> Tape:
@@ -306,4 +272,3 @@ def track() -> Tape:
         >>> (x.sqrt().sum()).backward()   # x's graph is still there
     """
     return Tape()
-

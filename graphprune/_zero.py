@@ -9,8 +9,9 @@ zero in means zero out: a prehook notes that every incoming gradient is zero, th
 unpack hook then hands the node a zero-stride placeholder instead of raising, and a
 post-hook replaces the node's outputs with zeros (the placeholder may give NaN, as
 in Div or Log). A non-zero gradient into a released node still raises.
-Hooks are keyed by node id: a closure that held the node's own wrapper would be a
-reference cycle through C++. The zero mark is keyed by (node, graph task), so a
+Hooks are keyed by the id of the node's wrapper, which stays the same object while
+the node lives: a closure that held the wrapper itself would be a reference cycle
+through C++. The zero mark is keyed by (node, graph task), so a
 node that raised mid-pass, or another thread's pass, never sees a stale mark.
 Placeholders of floating tensors are zero-stride (no memory); integer ones (LU
 pivots, indices) are contiguous ones, which the kernels that read them accept.
@@ -23,11 +24,10 @@ import threading
 
 import torch
 
-from ._graph import record_of
-
 __all__ = ["guard_released", "in_zero_pass"]
 
-_zero_pass: set[tuple[int, int]] = set()  # (node id, graph task id)
+GUARDED = "graphprune.guarded"  # node.metadata key: the hooks are registered
+_zero_pass: set[tuple[int, int]] = set()  # (id of the node's wrapper, graph task id)
 _lock = threading.Lock()
 
 
@@ -54,22 +54,19 @@ def _posthook(node_id: int, grad_inputs, grad_outputs):
     return tuple(None if g is None else torch.zeros_like(g) for g in grad_inputs)
 
 
-def guard_released(nodes) -> None:
-    """Let zero-gradient passes through each of ``nodes`` (wrappers), once per node."""
-    for node in nodes:
-        rec = record_of(node)
-        if rec is None or rec.guarded:
-            continue
-        rec.guarded = True
-        node.register_prehook(functools.partial(_prehook, rec.id))
-        node.register_hook(functools.partial(_posthook, rec.id))
+def guard_released(node) -> None:
+    """Let zero-gradient passes through ``node`` (a wrapper); once per node."""
+    md = node.metadata
+    if GUARDED not in md:
+        md[GUARDED] = True
+        node.register_prehook(functools.partial(_prehook, id(node)))
+        node.register_hook(functools.partial(_posthook, id(node)))
 
 
 def in_zero_pass() -> bool:
     """Whether the node running now came in with all-zero gradients."""
     node = torch._C._current_autograd_node()
-    rec = None if node is None else record_of(node)
-    return rec is not None and (rec.id, torch._C._current_graph_task_id()) in _zero_pass
+    return node is not None and (id(node), torch._C._current_graph_task_id()) in _zero_pass
 
 
 def placeholder(shape, dtype: torch.dtype, device) -> torch.Tensor:

@@ -46,10 +46,12 @@ def test_graph_states_after_prune():
     assert ops["SinBackward0"][0]["state"] == "released"
     assert ops["SinBackward0"][0]["saved_tensors"] == 0
     assert ops["MulBackward0"][0]["state"] == "trunk"
+    assert [d["state"] for d in ops["SumBackward0"]] == ["branch", "trunk"]  # y1 is finished
     logged = y2 * 2  # built outside track(): not a protector
     del x, y2
     states = {d["op"]: d["state"] for d in tape.graph().nodes.values()}
-    assert states["MulBackward0"] == "branch"  # no live tracked tensor reaches it now
+    assert "MulBackward0" not in states  # only a tensor built outside track() reaches it now
+    assert states["SinBackward0"] == "released"
     assert logged.requires_grad
 
 

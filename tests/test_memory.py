@@ -6,6 +6,7 @@ import weakref
 import torch
 
 import graphprune as gp
+from graphprune._graph import name, saved, walk
 
 from _subprocess import run_script
 
@@ -95,8 +96,7 @@ def test_no_leak_when_user_drops_tensors():
         graph = tape.graph()
         explained = gp.explain(y1)
         refs = [weakref.ref(x), weakref.ref(y1)]
-        nodes = gp._graph.MODEL.graph.nodes(data=True)
-        handles = [r for _, d in nodes if d["tape"] == tape.id for r in d["handles"]]
+        handles = [weakref.ref(h) for node in walk([y1.grad_fn]) for h in saved(node)[0]]
         assert any(r() is not None for r in handles)
         del x, y1
         assert [r() for r in refs] == [None, None]
@@ -126,14 +126,22 @@ print(json.dumps(dict(held=held, after=rss() - base)))
     assert out["after"] <= 8 * MiB, out
 
 
-def test_model_forgets_dead_nodes():
-    from graphprune._graph import MODEL
+class _Sentinel:
+    """Dies with the metadata dict of the node it is put in."""
 
-    MODEL.purge()
-    start = MODEL.graph.number_of_nodes()
+
+def test_walked_nodes_die_with_their_graph():
     w = torch.randn(3, requires_grad=True)
+    sentinels = []
     for _ in range(50):
         with gp.track():
-            (w.exp() * 2).sum().backward()
-    MODEL.purge()
-    assert MODEL.graph.number_of_nodes() <= start + 1
+            y = (w.exp() * 2).sum()
+        gp.explain(y)  # caches each node's children in its metadata
+        for node in walk([y.grad_fn]):
+            if name(node) != "AccumulateGrad":
+                sentinels.append(_Sentinel())
+                node.metadata["test.sentinel"] = sentinels[-1]
+                sentinels[-1] = weakref.ref(sentinels[-1])
+        y.backward()
+        del y, node
+    assert len(sentinels) == 150 and all(r() is None for r in sentinels), "a walked node outlived its graph"

@@ -10,11 +10,11 @@ op output ``out`` into two heads that save tensors of their own::
 (a complex output is fed to the heads through ``view_as_real``). The sweep proves,
 per op and sample:
 
-* **Mapping** (DESIGN.md fact 4): after the tracked forward, every node of the op's
-  graph carries a record; the saved handles it claimed were packed under its own
-  sequence number, and every tensor its ``_saved_*`` attributes unpack is one of its
-  own handles, one for one (save wrapped Python scalars, which PyTorch saves
-  without hooks). No handle of the forward is left unclaimed.
+* **Mapping** (DESIGN.md fact 13): after the tracked forward, every node of the
+  graph finds its handles through ``_raw_saved_*``, and every tensor its ``_saved_*``
+  attributes unpack is one of its own handles, one for one (save wrapped Python
+  scalars, which PyTorch saves without hooks). Every handle the forward packed is
+  found on a node of the graph.
 * **Gradients**: after ``y1.backward(retain_graph=True)``, ``prune_after(y1)`` and
   ``y2.backward()``, every leaf gradient equals that of the same program in plain
   PyTorch (head2 is built outside ``track()`` for even samples, inside a second
@@ -34,13 +34,16 @@ import collections
 import contextlib
 import itertools
 import warnings
+import weakref
 
 import pytest
 import torch
 from torch.utils import _pytree as pytree
 
 import graphprune
-from graphprune._graph import MODEL, pending_handles, record_of
+from graphprune._graph import live_handles, unclaimed_strays
+from graphprune._graph import name as node_name
+from graphprune._saved import SavedHandle
 
 pytest.importorskip("expecttest")
 from torch.testing._internal.common_methods_invocations import op_db  # noqa: E402
@@ -247,15 +250,31 @@ def same_tensor(a: torch.Tensor, b: torch.Tensor) -> bool:
     return a.layout != torch.strided or a.data_ptr() == b.data_ptr()  # sparse: no data pointer
 
 
-def assert_saved_tensors_map_to_nodes(out: torch.Tensor, tape) -> None:
-    """Each node of ``out``'s graph claimed exactly the handles of the tensors it saved."""
-    for node in graph_nodes(out.grad_fn):
-        rec = record_of(node)
-        assert rec is not None, f"{node.name()} was not stamped"
-        handles = [ref() for ref in MODEL.graph.nodes[rec.id]["handles"]]
-        assert all(h is not None for h in handles), f"{node.name()} lost a live handle"
-        assert all(h.node_name == node.name() for h in handles)
-        assert all(h.seq == node._sequence_nr() for h in handles)
+@contextlib.contextmanager
+def packs_into(packed: list):
+    """Inside ``track()``: every handle graphprune's pack hook returns goes to ``packed``."""
+    own = torch._C._autograd._top_saved_tensors_default_hooks(False)[0]
+
+    def pack(t):
+        handle = own(t)
+        packed.append(weakref.ref(handle))
+        return handle
+
+    pack.__graphprune__ = True  # graphprune still sees its own hooks innermost
+    with torch.autograd.graph.saved_tensors_hooks(pack, SavedHandle.unpack):
+        yield
+
+
+def assert_saved_tensors_map_to_nodes(root: torch.Tensor, packed: list) -> None:
+    """Each node below ``root`` found exactly the handles of the tensors it saved, and
+    every handle packed in the forward that is still alive (held by a live node) was
+    found on a node of the graph."""
+    found = set()
+    for node in graph_nodes(root.grad_fn):
+        handles = live_handles(node)
+        found.update(id(h) for h in handles)
+        if node_name(node) == "CopySlices":  # the hidden node's handles: nothing to unpack
+            continue
         unmatched = list(handles)
         for t in unpacked_saved_tensors(node):
             match = next((h for h in unmatched if same_tensor(h.tensor, t)), None)
@@ -264,9 +283,9 @@ def assert_saved_tensors_map_to_nodes(out: torch.Tensor, tape) -> None:
                 continue
             unmatched.remove(match)
         assert not unmatched, f"{node.name()} claimed {len(unmatched)} handle(s) it does not save"
-    live = (ref() for refs in pending_handles().values() for ref in refs)
-    unclaimed = [h for h in live if h is not None and h.tape_id == tape.id]
-    assert not unclaimed, f"handles packed under no node: seq {[h.seq for h in unclaimed]}"
+    lost = [h for h in (r() for r in packed) if h is not None and id(h) not in found]
+    assert not lost, f"{len(lost)} handle(s) packed in the forward belong to no node of the graph"
+    assert not unclaimed_strays()
 
 
 # -- the sweep -------------------------------------------------------------------------
@@ -290,10 +309,11 @@ def check_sample(op, sample, head2_tracked: bool) -> None:
 
     with recorded_warnings() as caught:
         args, kwargs, leaves = fresh_leaves(sample)
-        with graphprune.track() as tape:
+        packed = []
+        with graphprune.track(), packs_into(packed):
             out = run_op(op, sample, args, kwargs)
             y1 = head1(out)
-        assert_saved_tensors_map_to_nodes(out, tape)
+        assert_saved_tensors_map_to_nodes(y1, packed)
         y1.backward(retain_graph=True)
         torch.testing.assert_close(grads_of(leaves), ref_after_head1, equal_nan=True)
 

@@ -1,0 +1,115 @@
+"""Weak references to the tensors that tracked forwards created, and where.
+
+``keep=None`` protects the graphs of the tensors the program still holds. The
+output recorder notes each output with a ``grad_fn`` as one :class:`Output` (a weak
+reference with the code object and instruction of the user's frame that made it):
+one object per output, no callback, nothing else. Dead references are dropped in
+batches, when the list has doubled and at each prune.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import threading
+import weakref
+
+import torch
+
+__all__ = ["Output", "note", "live", "output_of", "describe"]
+
+_TORCH_DIR = os.path.dirname(torch.__file__)
+_OWN_DIR = os.path.dirname(__file__)
+
+
+class Output(weakref.ref):
+    """A tensor created under ``track()``: a weak reference, and the code and
+    instruction of the frame that made it (``code`` is ``None`` where no Python frame
+    made it). ``lasti`` is -1 for a tensor made before the tape opened, noted only so
+    that it is not looked at again: it protects nothing."""
+
+    __slots__ = ("code", "lasti")
+
+    @property
+    def ours(self) -> bool:
+        return self.lasti >= 0
+
+    def where(self) -> str:
+        if self.code is None:
+            return "<unknown>"
+        line = next((ln for start, end, ln in self.code.co_lines() if start <= self.lasti < end), None)
+        return f"{os.path.basename(self.code.co_filename)}:{line or self.code.co_firstlineno}"
+
+
+_outputs: list[Output] = []
+_limit = [1 << 16]
+_compacting = threading.Lock()
+_library_code: dict = {}  # code object -> inside torch or graphprune
+
+
+def _user_frame():
+    """The first frame outside torch and graphprune, or ``None`` (a TorchScript fork's
+    interop thread has no Python frame at all)."""
+    try:
+        frame = sys._getframe(2)
+    except ValueError:
+        return None
+    while frame is not None:
+        code = frame.f_code
+        inside = _library_code.get(code)
+        if inside is None:
+            inside = _library_code[code] = code.co_filename.startswith((_TORCH_DIR, _OWN_DIR))
+        if not inside:
+            return frame
+        frame = frame.f_back
+    return None
+
+
+def note(tensors, ours: bool = True) -> None:
+    """Note ``tensors`` (made by the caller's caller) as live outputs."""
+    frame = _user_frame() if ours else None
+    code = None if frame is None else frame.f_code
+    lasti = -1 if not ours else 0 if frame is None else frame.f_lasti
+    for t in tensors:
+        ref = Output(t)
+        ref.code = code
+        ref.lasti = lasti
+        _outputs.append(ref)
+    if len(_outputs) > _limit[0]:
+        _compact()
+        _limit[0] = max(1 << 16, 2 * len(_outputs))
+
+
+def _compact() -> None:
+    """Drop dead references; appends from other threads during it are kept."""
+    if not _compacting.acquire(blocking=False):
+        return
+    try:
+        n = len(_outputs)
+        _outputs[:n] = [r for r in _outputs[:n] if r() is not None]
+    finally:
+        _compacting.release()
+
+
+def live() -> list[torch.Tensor]:
+    """Every live tensor a tracked forward made."""
+    _compact()
+    return [t for t in (r() for r in list(_outputs) if r.ours) if t is not None]
+
+
+def output_of(t: torch.Tensor) -> Output | None:
+    return next((r for r in weakref.getweakrefs(t) if type(r) is Output), None)
+
+
+def describe(t: torch.Tensor) -> str:
+    """``tensor of shape (4,), torch.float32, created at model.py:12``."""
+    try:
+        shape = tuple(t.shape)
+    except RuntimeError:  # nested tensors have no single shape
+        shape = "nested"
+    text = f"tensor of shape {shape}, {t.dtype}"
+    ref = output_of(t)
+    if ref is not None and ref.ours:
+        text += f", created at {ref.where()}"
+    return text
+

@@ -1,0 +1,949 @@
+"""Autograd behaviours run twice, plain and under ``graphprune.track()``: same results.
+
+Each test builds its own inputs inside ``fn`` and hands it to :func:`both`, which runs
+it plain and then under ``track()`` from the same line, with the same seed, and asserts
+the two :class:`Outcome` records equal: returned values (tensors compared with
+``assert_close``), the exception (type and message) and the warnings (category,
+message, file and line, so a warning must point at the user's line, not graphprune's).
+Tests at the end pin differences that are inherent to saved-tensor hooks.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import os
+import threading
+import warnings
+from typing import Any, Callable, NamedTuple
+
+import pytest
+import torch
+import torch.autograd.forward_ad as fwAD
+from torch.autograd.function import once_differentiable
+from torch.testing import assert_close
+from torch.utils.checkpoint import checkpoint
+
+import graphprune as gp
+
+HERE = os.path.basename(__file__)
+
+
+class Outcome(NamedTuple):
+    value: Any  # what fn returned, tensors detached and cloned
+    error: tuple[type, str] | None
+    warnings: list[tuple[type, str, str, int]]  # category, message, file basename, line
+
+
+def _snapshot(v):
+    if isinstance(v, torch.Tensor):
+        return v.detach().clone()
+    if isinstance(v, (list, tuple)):
+        return type(v)(_snapshot(x) for x in v)
+    if isinstance(v, dict):
+        return {k: _snapshot(x) for k, x in v.items()}
+    return v
+
+
+def outcome(fn: Callable[[], Any], tracked: bool, outer=contextlib.nullcontext) -> Outcome:
+    """Run ``fn()`` (inside ``outer()``, then ``track()`` if ``tracked``) and record what happened.
+
+    The warnings filter is Python's "default": one warning per message and location,
+    so a warning attributed to a graphprune line instead of two user lines shows up.
+    """
+    torch.manual_seed(0)
+    ctx = gp.track() if tracked else contextlib.nullcontext()
+    value, error = None, None
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("default")
+        try:
+            with outer(), ctx:
+                value = fn()  # one line for both runs: tracebacks and warnings agree
+        except Exception as exc:  # the record compares it
+            error = (type(exc), str(exc))
+    seen = [(w.category, str(w.message), os.path.basename(w.filename), w.lineno) for w in caught]
+    return Outcome(_snapshot(value), error, seen)
+
+
+def assert_same(a, b) -> None:
+    if isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor):
+        assert_close(a, b, equal_nan=True)
+    elif isinstance(a, (list, tuple)):
+        assert type(a) is type(b) and len(a) == len(b)
+        for x, y in zip(a, b):
+            assert_same(x, y)
+    elif isinstance(a, dict):
+        assert a.keys() == b.keys()
+        for k in a:
+            assert_same(a[k], b[k])
+    else:
+        assert a == b
+
+
+def runs(fn: Callable[[], Any], outer=contextlib.nullcontext) -> tuple[Outcome, Outcome]:
+    """The plain and the tracked :class:`Outcome` of ``fn``.
+
+    A first, unrecorded plain run takes the one-time effects (lazy imports that warn,
+    ``TORCH_WARN_ONCE``), so the recorded runs do not depend on their order.
+    """
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        outcome(fn, False, outer)
+    return outcome(fn, False, outer), outcome(fn, True, outer)
+
+
+def both(fn: Callable[[], Any], outer=contextlib.nullcontext) -> Outcome:
+    """Assert that ``fn`` behaves the same plain and under ``track()``; return the plain record."""
+    plain, tracked = runs(fn, outer)
+    assert tracked.error == plain.error
+    assert_same(plain.value, tracked.value)
+    assert tracked.warnings == plain.warnings
+    return plain
+
+
+INPLACE = "modified by an inplace operation"
+
+
+def both_inplace_error(fn: Callable[[], Any], outer=contextlib.nullcontext) -> Outcome:
+    """Like :func:`both` for a backward that reads a tensor modified in place after it was saved.
+
+    PyTorch skips its version-counter check while saved-tensor hooks are set;
+    graphprune restores it with its own ``InplaceModifiedError``, a ``RuntimeError``
+    subclass whose message has the same key phrase and a different tail (the node's
+    name and graphprune's hint). So the error is compared by type (a subclass) and
+    phrase, the rest of the record exactly.
+    """
+    plain, tracked = runs(fn, outer)
+    assert plain.error[0] is RuntimeError and INPLACE in plain.error[1], plain.error
+    assert tracked.error is not None, "no error under track(): the in-place check was skipped"
+    assert issubclass(tracked.error[0], RuntimeError) and INPLACE in tracked.error[1], tracked.error
+    assert_same(plain.value, tracked.value)
+    assert tracked.warnings == plain.warnings
+    return plain
+
+
+def first_line(fn) -> int:
+    return fn.__code__.co_firstlineno
+
+
+# -- views and in-place ops under no_grad and inference_mode ---------------------------------
+
+
+def test_no_grad_view_inplace_repr():
+    def fn():
+        a = torch.ones(1, requires_grad=True)
+        with torch.no_grad():
+            b = a[:]
+            b *= 2
+        return repr(b)
+
+    assert both(fn).value == "tensor([2.], grad_fn=<Invalid>)"
+
+
+def test_inference_mode_view_of_view_add_():
+    def fn():
+        a = torch.ones(2, requires_grad=True)
+        with torch.inference_mode():
+            out = a.view(-1)
+            out.view(-1).add_(2)
+        return repr(out), a.detach().clone()
+
+    assert both(fn).value[0] == "tensor([3., 3.], grad_fn=<Invalid>)"
+
+
+def test_no_grad_unbind_view_as_strided_():
+    def fn():
+        base = torch.tensor([[0.0, 1.0, 2.0], [3.0, 4.0, 5.0]], requires_grad=True)
+        with torch.no_grad():
+            v = base.unbind()[0]
+            v.as_strided_((3,), (2,))
+        return repr(v)
+
+    assert both(fn).value == "tensor([0., 2., 4.], grad_fn=<Invalid>)"
+
+
+def test_unbind_view_as_strided_under_no_grad():
+    def fn():
+        base = torch.arange(6.0, requires_grad=True).view(2, 3).clone()
+        v = base.unbind()[0]  # a multi-output view made in grad mode
+        with torch.no_grad():
+            v.as_strided_((3,), (2,))
+        return repr(v)
+
+    assert both(fn).value == "tensor([0., 2., 4.], grad_fn=<Invalid>)"
+
+
+def test_no_grad_slice_update_of_a_leaf():
+    def fn():
+        w = torch.randn(4, requires_grad=True)
+        with torch.no_grad():  # the pattern of hand-written updates and initialisers
+            w[:2] *= 0
+            w[2:].copy_(torch.ones(2))
+        (w * w).sum().backward()
+        return w, w.grad
+
+    both(fn)
+
+
+@pytest.mark.parametrize("init", ["orthogonal_", "kaiming_uniform_", "eye_", "sparse_"])
+def test_nn_init_inside_track(init):
+    def fn():
+        w = torch.nn.Parameter(torch.empty(4, 3))
+        getattr(torch.nn.init, init)(w, *([0.5] if init == "sparse_" else []))
+        (w.sin() * w).sum().backward()
+        return w, w.grad
+
+    both(fn)
+
+
+@pytest.mark.parametrize("mode", [torch.no_grad, torch.inference_mode])
+def test_view_inplace_inside_mode_then_backward(mode):
+    def fn():
+        a = torch.randn(4, requires_grad=True)
+        base = a * 1  # a non-leaf base
+        with mode():
+            c = torch.randn(4)
+            v = c[1:3]
+            v.mul_(3)
+        y = (base * base).sum()
+        y.backward()
+        return c, a.grad
+
+    both(fn)
+
+
+def test_view_made_in_no_grad_modified_in_grad_mode_raises():
+    def fn():
+        base = torch.randn(3, requires_grad=True).clone()
+        with torch.no_grad():
+            v = base[:2]
+        v.mul_(2)
+
+    assert both(fn).error[0] is RuntimeError
+
+
+# -- nested tensors ----------------------------------------------------------------------------
+
+
+def test_nested_tensor_inplace_after_save_raises():
+    def fn():
+        nt = torch.nested.nested_tensor([torch.randn(2, 3), torch.randn(4, 3)], requires_grad=True)
+        x = nt.clone()
+        r = x.sum(-1, keepdim=True)
+        x.add_(x)
+        r.backward(torch.nested.nested_tensor([torch.ones(2, 1), torch.ones(4, 1)]))
+
+    both_inplace_error(fn)  # the type and the key phrase: see both_inplace_error
+
+
+def test_increment_version_after_save_raises():
+    def fn():
+        x = torch.randn(3, requires_grad=True)
+        y = x.exp()
+        torch.autograd.graph.increment_version(y)
+        y.sum().backward()
+
+    both_inplace_error(fn)
+
+
+def test_nested_tensor_backward():
+    def fn():
+        nt = torch.nested.nested_tensor([torch.randn(2, 3), torch.randn(4, 3)], requires_grad=True)
+        r = (nt * nt).sin().sum(-1, keepdim=True)
+        r.backward(torch.nested.nested_tensor([torch.ones(2, 1), torch.ones(4, 1)]))
+        return list(nt.grad.unbind())
+
+    both(fn)
+
+
+# -- sparse and complex tensors ----------------------------------------------------------------
+
+
+def _sparse_mm():
+    i = torch.tensor([[0, 1, 2], [2, 0, 1]])
+    s = torch.sparse_coo_tensor(i, torch.randn(3), (3, 3), check_invariants=True).requires_grad_()
+    d = torch.randn(3, 2, requires_grad=True)
+    torch.sparse.mm(s, d).sin().sum().backward()
+    return s.grad.coalesce(), d.grad
+
+
+def _sparse_to_dense():
+    s = torch.randn(3, 4).relu().to_sparse().requires_grad_()
+    y = (s * 2).to_dense()
+    (y * y).sum().backward()
+    return s.grad.coalesce()
+
+
+def _sparse_sum():
+    s = torch.randn(4, 3).relu().to_sparse().requires_grad_()
+    torch.sparse.sum(s * s).backward()
+    return s.grad.coalesce()
+
+
+def _complex_abs_angle():
+    z = torch.randn(4, dtype=torch.cfloat, requires_grad=True)
+    (z.abs() * z.angle()).sum().backward()
+    return z.grad
+
+
+def _complex_mul_conj():
+    z = torch.randn(3, dtype=torch.cdouble, requires_grad=True)
+    w = torch.randn(3, dtype=torch.cdouble, requires_grad=True)
+    y = (z * w.conj()).exp()
+    (y.real.sum() + y.imag.pow(2).sum()).backward()
+    return y, z.grad, w.grad
+
+
+def _complex_view_as_real():
+    z = torch.randn(2, 3, dtype=torch.cfloat, requires_grad=True)
+    r = torch.view_as_real(z * z)
+    r.pow(3).sum().backward()
+    return z.grad
+
+
+@pytest.mark.parametrize(
+    "fn",
+    [_sparse_mm, _sparse_to_dense, _sparse_sum, _complex_abs_angle, _complex_mul_conj, _complex_view_as_real],
+)
+def test_sparse_and_complex(fn):
+    both(fn)
+
+
+# -- forward-mode AD -------------------------------------------------------------------------
+
+
+def test_forward_ad_jvp():
+    def fn():
+        x, t = torch.randn(4), torch.randn(4)
+        with fwAD.dual_level():
+            dual = fwAD.make_dual(x, t)
+            y = (dual.sin() * dual.exp()).cumsum(0)
+            primal, tangent = fwAD.unpack_dual(y)
+        return primal, tangent
+
+    both(fn)
+
+
+def test_forward_ad_with_backward():
+    def fn():
+        x = torch.randn(3, requires_grad=True)
+        with fwAD.dual_level():
+            dual = fwAD.make_dual(x, torch.ones(3))
+            y = (dual * dual).tanh()
+            primal, tangent = fwAD.unpack_dual(y)
+            tangent.sum().backward()  # reverse over forward
+        return primal, tangent, x.grad
+
+    both(fn)
+
+
+def test_forward_ad_inplace_on_view():
+    def fn():
+        base = torch.randn(4)
+        with fwAD.dual_level():
+            dual = fwAD.make_dual(torch.randn(2), torch.randn(2))
+            base[1:3].mul_(dual)
+            return fwAD.unpack_dual(base).tangent
+
+    both(fn)
+
+
+# -- custom autograd.Function ------------------------------------------------------------------
+
+
+class SetupContextMul(torch.autograd.Function):
+    @staticmethod
+    def forward(a, b):
+        return a * b
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        ctx.save_for_backward(*inputs)
+
+    @staticmethod
+    def backward(ctx, g):
+        a, b = ctx.saved_tensors
+        return g * b, g * a
+
+
+class OnceExp(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, a):
+        y = a.exp()
+        ctx.save_for_backward(y)
+        return y
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, g):
+        (y,) = ctx.saved_tensors
+        return g * y
+
+
+class DirtyDouble(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, a):
+        a.mul_(2)
+        ctx.mark_dirty(a)
+        return a
+
+    @staticmethod
+    def backward(ctx, g):
+        return 2 * g
+
+
+class SortWithIndex(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, a):
+        values, index = a.sort()
+        ctx.mark_non_differentiable(index)
+        ctx.save_for_backward(index)
+        return values, index
+
+    @staticmethod
+    def backward(ctx, g, _):
+        (index,) = ctx.saved_tensors
+        return torch.zeros_like(g).scatter(0, index, g)
+
+
+def _setup_context():
+    a, b = torch.randn(3, requires_grad=True), torch.randn(3, requires_grad=True)
+    y = SetupContextMul.apply(a.sin(), b)
+    (y * y).sum().backward()
+    return y, a.grad, b.grad
+
+
+def _setup_context_double_backward():
+    a = torch.randn(3, requires_grad=True)
+    y = SetupContextMul.apply(a, a).sum()
+    (g,) = torch.autograd.grad(y, a, create_graph=True)
+    g.sum().backward()
+    return g, a.grad
+
+
+def _once_differentiable():
+    a = torch.randn(3, requires_grad=True)
+    (OnceExp.apply(a * 2) ** 2).sum().backward()
+    return a.grad
+
+
+def _once_differentiable_twice():
+    a = torch.randn(3, requires_grad=True)
+    (g,) = torch.autograd.grad(OnceExp.apply(a).sum(), a, create_graph=True)
+    g.sum().backward()  # raises: once_differentiable
+
+
+def _mark_dirty():
+    a = torch.randn(3, requires_grad=True)
+    x = a.clone()
+    y = DirtyDouble.apply(x)
+    (y * y).sum().backward()
+    return y is x, x._version, a.grad
+
+
+def _mark_dirty_leaf():
+    a = torch.randn(3, requires_grad=True)
+    DirtyDouble.apply(a)  # raises: a leaf modified in place
+
+
+def _mark_non_differentiable():
+    a = torch.randn(5, requires_grad=True)
+    values, index = SortWithIndex.apply(a * 3)
+    (values * torch.arange(5.0)).sum().backward()
+    return values, index, index.requires_grad, a.grad
+
+
+@pytest.mark.parametrize(
+    "fn",
+    [
+        _setup_context,
+        _setup_context_double_backward,
+        _once_differentiable,
+        _once_differentiable_twice,
+        _mark_dirty,
+        _mark_dirty_leaf,
+        _mark_non_differentiable,
+    ],
+)
+def test_custom_function(fn):
+    both(fn)
+
+
+# -- hooks on nodes ------------------------------------------------------------------------------
+
+
+def test_node_hooks():
+    def fn():
+        seen = []
+        x = torch.randn(3, requires_grad=True)
+        h = x.exp()
+        y = h * h
+        y.grad_fn.register_prehook(lambda go: seen.append(("pre", go[0].clone())))
+        y.grad_fn.register_hook(lambda gi, go: seen.append(("post", [g.clone() for g in gi])))
+        h.grad_fn.register_prehook(lambda go: (go[0] * 10,))  # a prehook that changes the gradient
+        y.sum().backward()
+        return seen, x.grad
+
+    seen = both(fn).value[0]
+    assert [s[0] for s in seen] == ["pre", "post"]
+
+
+def test_multi_grad_hook():
+    def fn():
+        seen = []
+        a, b = torch.randn(3, requires_grad=True), torch.randn(3, requires_grad=True)
+        u, v = a.sin(), b.cos()
+
+        def hook(grads):
+            seen.append([None if g is None else g.clone() for g in grads])
+
+        handle = torch.autograd.graph.register_multi_grad_hook((u, v), hook)
+        (u * v).sum().backward(retain_graph=True)
+        u.sum().backward()
+        handle.remove()
+        return seen, a.grad, b.grad
+
+    assert len(both(fn).value[0]) == 2
+
+
+def test_multi_grad_hook_any_mode():
+    def fn():
+        seen = []
+        a = torch.randn(3, requires_grad=True)
+        u, v = a.exp(), a.tanh()
+        torch.autograd.graph.register_multi_grad_hook((u, v), lambda g: seen.append(g.clone()), mode="any")
+        (u * v).sum().backward()
+        return seen, a.grad
+
+    both(fn)
+
+
+def test_module_full_backward_hooks():
+    def fn():
+        seen = []
+        m = torch.nn.Linear(3, 2)
+        m.register_full_backward_pre_hook(lambda mod, go: seen.append(go[0].clone()))
+        m.register_full_backward_hook(lambda mod, gi, go: seen.append(gi[0].clone()))
+        m(torch.randn(4, 3, requires_grad=True)).tanh().sum().backward()
+        return seen, m.weight.grad
+
+    assert len(both(fn).value[0]) == 2
+
+
+def test_tensor_hooks_and_retain_grad():
+    def fn():
+        seen = []
+        x = torch.randn(3, requires_grad=True)
+        h = x * 2
+        h.retain_grad()
+        h.register_hook(lambda g: g * 3)
+        x.register_post_accumulate_grad_hook(lambda p: seen.append(p.grad.clone()))
+        h.exp().sum().backward()
+        return h.grad, x.grad, seen
+
+    both(fn)
+
+
+def test_hook_that_raises():
+    def hook(g):
+        raise ValueError("a hook failed")
+
+    def fn():
+        x = torch.randn(3, requires_grad=True)
+        y = x.exp()
+        y.register_hook(hook)
+        y.sum().backward()
+
+    assert both(fn).error[0] is ValueError
+
+
+def test_backward_twice_raises():
+    def fn():
+        x = torch.randn(3, requires_grad=True)
+        y = x.exp().sum()
+        y.backward()
+        y.backward()
+
+    plain = both(fn)
+    assert plain.error[0] is RuntimeError and "second time" in plain.error[1]
+
+
+def test_training_steps_with_optimizer():
+    def fn():
+        m = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.ReLU(), torch.nn.Linear(8, 1))
+        opt = torch.optim.Adam(m.parameters(), lr=0.1)
+        for _ in range(3):
+            opt.zero_grad()
+            m(torch.randn(5, 4)).pow(2).mean().backward()
+            torch.nn.utils.clip_grad_norm_(m.parameters(), 1.0)
+            opt.step()
+        return list(m.parameters())
+
+    both(fn)
+
+
+def test_autocast_cpu():
+    def fn():
+        m = torch.nn.Linear(4, 4)
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            y = m(torch.randn(2, 4)).relu()
+        y.float().sum().backward()
+        return y, m.weight.grad
+
+    both(fn)
+
+
+class LoggingTensor(torch.Tensor):
+    calls: list = []
+
+    @classmethod
+    def __torch_function__(cls, func, types, args=(), kwargs=None):
+        cls.calls.append(getattr(func, "__name__", repr(func)))
+        return super().__torch_function__(func, types, args, kwargs or {})
+
+
+def test_tensor_subclass_sees_the_same_calls():
+    def fn():
+        LoggingTensor.calls = []
+        x = torch.randn(3, requires_grad=True)
+        y = (x.as_subclass(LoggingTensor) * 2).exp().sum()
+        y.backward()
+        return type(y).__name__, x.grad, list(LoggingTensor.calls)
+
+    assert both(fn).value[2] == ["mul", "exp", "sum", "backward"]
+
+
+# -- anomaly mode ----------------------------------------------------------------------------------
+
+
+def test_detect_anomaly_nan_in_backward():
+    def fn():
+        x = torch.tensor([-1.0, 4.0], requires_grad=True)
+        with torch.autograd.detect_anomaly():
+            x.sqrt().sum().backward()  # SqrtBackward0 returns nan
+
+    plain = both(fn)
+    assert plain.error[0] is RuntimeError and "returned nan values" in plain.error[1]
+    assert {w[0] for w in plain.warnings} == {UserWarning}
+
+
+def test_set_detect_anomaly_clean_pass():
+    def fn():
+        x = torch.randn(3, requires_grad=True)
+        with torch.autograd.set_detect_anomaly(True):
+            (x.sigmoid() * x).sum().backward()
+        return x.grad, torch.is_anomaly_enabled()
+
+    assert both(fn).value[1] is False
+
+
+def test_detect_anomaly_inplace_error():
+    def fn():
+        a = torch.randn(3, requires_grad=True)
+        with torch.autograd.detect_anomaly(check_nan=False):
+            s = a.sigmoid()
+            s.mul_(2)
+            s.sum().backward()
+
+    plain = both_inplace_error(fn)  # the forward traceback in the warnings must match too
+    assert any("Error detected in SigmoidBackward0" in w[1] for w in plain.warnings)
+
+
+# -- global modes around tracked code -----------------------------------------------------------
+
+
+@contextlib.contextmanager
+def deterministic():
+    before = torch.are_deterministic_algorithms_enabled()
+    torch.use_deterministic_algorithms(True)
+    try:
+        yield
+    finally:
+        torch.use_deterministic_algorithms(before)
+
+
+def test_deterministic_algorithms():
+    def fn():
+        x = torch.randn(6, 4, requires_grad=True)
+        idx = torch.tensor([0, 2, 2, 5])
+        y = torch.zeros(6, 4).index_add(0, idx, x[:4] * 2)
+        z = y.scatter_add(0, idx.repeat(4, 1).t(), x[1:5])
+        (z.tanh()[idx] * torch.nn.functional.embedding(idx, x)).sum().backward()
+        return z, x.grad, torch.are_deterministic_algorithms_enabled()
+
+    before = torch.are_deterministic_algorithms_enabled()
+    assert both(fn, outer=deterministic).value[2] is True
+    assert torch.are_deterministic_algorithms_enabled() is before
+
+
+def test_checkpoint_with_dropout():
+    def fn():
+        w = torch.randn(5, 5, requires_grad=True)
+        x = torch.randn(3, 5, requires_grad=True)
+
+        def block(t):
+            return torch.nn.functional.dropout(t @ w, p=0.5, training=True).relu() @ w
+
+        y = checkpoint(block, x.sin(), use_reentrant=False, preserve_rng_state=True)
+        (y * y).sum().backward()
+        return y, w.grad, x.grad
+
+    both(fn)
+
+
+def _compiled_body(t):
+    return (t.sin() * t).sum()
+
+
+def test_torch_compile_called_twice():
+    def fn():
+        torch._dynamo.reset()
+        f = torch.compile(_compiled_body, backend="eager")
+        out = []
+        for _ in range(2):
+            x = torch.randn(3, requires_grad=True)
+            y = f(x)
+            y.backward()
+            out.append((y, x.grad))
+        return out
+
+    both(fn)
+
+
+def test_inference_mode_around_track():
+    def fn():
+        x = torch.randn(3, requires_grad=True)
+        y = (x * 2).exp()
+        return y, y.is_inference(), y.requires_grad
+
+    assert both(fn, outer=torch.inference_mode).value[1] is True
+
+
+def test_track_around_inference_mode():
+    def fn():
+        x = torch.randn(3, requires_grad=True)
+        with torch.inference_mode():
+            c = x.exp() * 2
+        y = (x * c).sin()
+        y.sum().backward()
+        return c, c.is_inference(), y, x.grad
+
+    both(fn)
+
+
+def test_inference_tensor_saved_for_backward_raises():
+    def fn():
+        with torch.inference_mode():
+            c = torch.randn(3)
+        x = torch.randn(3, requires_grad=True)
+        (x * c).sum().backward()  # c is saved: fine
+        c.add_(1)  # an inference tensor outside inference mode: raises
+
+    assert both(fn).error[0] is RuntimeError
+
+
+# -- TorchScript and threads ---------------------------------------------------------------------
+
+
+def _fork_grad(x: torch.Tensor) -> torch.Tensor:
+    y = (x * x).sum()
+    g = torch.autograd.grad([y], [x])
+    r = g[0]
+    assert r is not None
+    return r
+
+
+def _fork_outer(x: torch.Tensor) -> torch.Tensor:
+    fut = torch.jit._fork(_fork_grad, x)
+    return torch.jit._wait(fut) * 2
+
+
+def test_jit_fork_autograd_grad():
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", DeprecationWarning)  # torch.jit.script is deprecated
+        scripted = torch.jit.script(_fork_outer)
+
+    def fn():
+        x = torch.randn(3, requires_grad=True)
+        return scripted(x)
+
+    plain = both(fn)
+    assert plain.error is None
+
+
+def test_thread_started_inside_track_runs_plain():
+    def fn():
+        out = {}
+
+        def work():
+            x = torch.randn(3, requires_grad=True)
+            y = (x.exp() * x).sum()
+            y.backward()
+            out["grad"] = x.grad
+            out["hooks"] = torch._C._autograd._top_saved_tensors_default_hooks(False) is None
+
+        thread = threading.Thread(target=work)
+        thread.start()
+        thread.join()
+        return out
+
+    assert both(fn).value["hooks"] is True
+
+
+def test_backward_in_another_thread():
+    def fn():
+        x = torch.randn(3, requires_grad=True)
+        y = (x.exp() * x.sin()).sum()
+        thread = threading.Thread(target=y.backward)
+        thread.start()
+        thread.join()
+        return y, x.grad
+
+    both(fn)
+
+
+# -- warnings point at the user's line -----------------------------------------------------------
+
+
+# -- inherent differences, pinned ----------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "transform",
+    [
+        lambda f, x: torch.func.grad(f)(x),
+        lambda f, x: torch.func.vjp(f, x)[1](torch.ones(())),
+        lambda f, x: torch.func.jacrev(f)(x),
+    ],
+    ids=["grad", "vjp", "jacrev"],
+)
+def test_torch_func_grad_refuses_saved_tensor_hooks(transform):
+    def fn():
+        return transform(lambda t: t.sin().sum(), torch.randn(3))
+
+    plain, tracked = outcome(fn, False), outcome(fn, True)
+    assert plain.error is None
+    assert tracked.error == (
+        RuntimeError,
+        "torch.func.{grad, vjp, jacrev, hessian} don't yet support saved tensor hooks. "
+        "Please open an issue with your use case.",
+    )
+
+
+def test_torch_func_jvp_works_under_track():
+    def fn():
+        return torch.func.jvp(lambda t: t.sin().exp(), (torch.randn(3),), (torch.ones(3),))
+
+    both(fn)
+
+
+def test_saved_tensor_identity():
+    """graphprune's pack hook keeps ``t.detach()``, so a saved input comes back as a new
+    tensor object (with the same ``grad_fn``): plain PyTorch returns the very tensor it
+    saved. A saved output is a new object in both."""
+
+    def fn():
+        x = torch.randn(3, requires_grad=True)
+        h = x * 2
+        z = h.sin()
+        y = x.exp()
+        saved_in, saved_out = z.grad_fn._saved_self, y.grad_fn._saved_result
+        return {
+            "input is": saved_in is h,
+            "input grad_fn": type(saved_in.grad_fn).__name__,
+            "input values": saved_in,
+            "output is": saved_out is y,
+            "output grad_fn": type(saved_out.grad_fn).__name__,
+            "output values": saved_out,
+        }
+
+    plain, tracked = outcome(fn, False), outcome(fn, True)
+    assert plain.error is None and tracked.error is None
+    assert_same(plain.value["input values"], tracked.value["input values"])
+    assert_same(plain.value["output values"], tracked.value["output values"])
+    assert (plain.value["input is"], tracked.value["input is"]) == (True, False)
+    assert (plain.value["output is"], tracked.value["output is"]) == (False, False)
+    assert plain.value["input grad_fn"] == tracked.value["input grad_fn"] == "MulBackward0"
+    assert plain.value["output grad_fn"] == tracked.value["output grad_fn"] == "ExpBackward0"
+
+
+def test_user_saved_tensor_hooks_outside_track_are_bypassed():
+    """Saved-tensor hooks are innermost-wins: track() inside a user's own hooks
+    (``save_on_cpu``, a custom pack/unpack) takes every save from them."""
+
+    def fn(inner_track: bool):
+        calls = []
+
+        def pack(t):
+            calls.append("pack")
+            return t
+
+        def unpack(t):
+            calls.append("unpack")
+            return t
+
+        x = torch.randn(3, requires_grad=True)
+        with torch.autograd.graph.saved_tensors_hooks(pack, unpack):
+            with gp.track() if inner_track else contextlib.nullcontext():
+                y = x.exp().sum()
+        y.backward()
+        return calls, x.grad
+
+    plain = outcome(functools.partial(fn, False), False)
+    inner = outcome(functools.partial(fn, True), False)
+    assert plain.value[0] == ["pack", "unpack"]
+    assert inner.value[0] == []
+    assert_close(plain.value[1], inner.value[1])
+
+
+def test_disable_saved_tensors_hooks_refuses_track():
+    """``disable_saved_tensors_hooks(msg)`` (used by functorch) raises ``msg`` on entry
+    while saved-tensor hooks are set: under track() they always are."""
+
+    def fn():
+        x = torch.randn(3, requires_grad=True)
+        with torch.autograd.graph.disable_saved_tensors_hooks("no saved-tensor hooks here"):
+            y = x.exp().sum()
+        y.backward()
+        return x.grad
+
+    plain, tracked = runs(fn)
+    assert plain.error is None
+    assert tracked.error == (RuntimeError, "no saved-tensor hooks here")
+
+
+# Inherent: a warning raised inside a torch call is attributed to the innermost Python
+# frame, which under track() is the output recorder's __torch_function__ (README, Limits).
+
+
+def _warning_locations(fn):
+    plain, tracked = runs(fn)
+    assert tracked.error == plain.error
+    assert_same(plain.value, tracked.value)
+    return plain.warnings, tracked.warnings
+
+
+def test_warning_location_copy_construct_is_the_recorders():
+    def fn():
+        t = torch.ones(2)
+        a = torch.tensor(t)
+        b = torch.tensor(t)
+        return a, b
+
+    plain, tracked = _warning_locations(fn)
+    lines = [first_line(fn) + 2, first_line(fn) + 3]
+    assert [(w[0], w[2], w[3]) for w in plain] == [(UserWarning, HERE, line) for line in lines]
+    # one location for both calls: "default" deduplication shows the warning once
+    assert [(w[0], w[1], w[2]) for w in tracked] == [(UserWarning, plain[0][1], "_tape.py")]
+
+
+def test_warning_location_non_leaf_grad_is_the_recorders():
+    def fn():
+        x = torch.randn(3, requires_grad=True)
+        y = x * 2
+        g = y.grad  # a non-leaf's .grad warns (a UserWarning from C++)
+        return g
+
+    plain, tracked = _warning_locations(fn)
+    assert [(w[0], w[2], w[3]) for w in plain] == [(UserWarning, HERE, first_line(fn) + 3)]
+    assert [(w[0], w[1], w[2]) for w in tracked] == [(UserWarning, plain[0][1], "_tape.py")]
