@@ -32,6 +32,8 @@ def _parse(argv):
     p.add_argument("--only", default=None,
                    help="comma-separated workload names to run (seed,lazy,eager,pcgrad,depth)")
     p.add_argument("--no-scaling", action="store_true", help="skip the prune-cost scaling benchmark")
+    p.add_argument("--no-overhead", action="store_true",
+                   help="skip the tracking-overhead jobs (tiny-op chain, small transformer, bytes per node)")
     p.add_argument("--spawn", action="store_true", help="new interpreter per job instead of a fork")
     p.add_argument("--out", default=HERE, help="output folder (default: benchmarks/)")
     return p.parse_args(argv)
@@ -68,7 +70,7 @@ def main(argv=None):
 
     import graphprune  # noqa: F401
 
-    from . import report
+    from . import overhead, report, scaling
     from . import workloads as W
     from .worker import machine, run_isolated
 
@@ -90,11 +92,9 @@ def main(argv=None):
         jobs.append(dict(kind="timing", config=cfg, strategies=[s for s in cfg["strategies"]],
                          level=level, reps=reps, device=args.device, threads=args.threads))
     if not args.no_scaling:
-        sizes = {"full": [1000, 10000, 100000], "quick": [1000, 10000], "tiny": [200, 1000]}[level]
-        for shape in ("chain", "fanout", "transformer"):
-            for n in sizes:
-                jobs.append(dict(kind="scaling", shape=shape, nodes=n, threads=args.threads,
-                                 repeats={"full": 1 if n >= 100000 else 2, "quick": 0, "tiny": 0}[level]))
+        jobs += scaling.jobs(level, args.threads)
+    if not args.no_overhead:
+        jobs += overhead.jobs(level)
 
     try:
         from tqdm import tqdm
@@ -109,6 +109,8 @@ def main(argv=None):
             label = f"{W.config_name(job['config'])}/{job['strategy']}"
         elif job["kind"] == "timing":
             label = f"timing/{W.config_name(job['config'])}"
+        elif job["kind"] == "overhead":
+            label = f"overhead/{job['part']}"
         else:
             label = f"scaling/{job['shape']}/{job['nodes']}"
         if bar is not None:

@@ -7,6 +7,7 @@ import collections
 import os
 import statistics
 
+from . import overhead as O
 from . import workloads as W
 
 GP = ("gp_prune", "gp_backward")
@@ -22,8 +23,15 @@ def _merge(results):
     scaling = []
     failures = []
     timing = {}
+    overhead = {}
     for r in results:
         job = r["job"]
+        if job["kind"] == "overhead":
+            if r.get("ok"):
+                overhead[job["part"]] = r
+            else:
+                failures.append(r)
+            continue
         if job["kind"] == "timing":
             if r.get("ok"):
                 timing[W.config_name(job["config"])] = r
@@ -68,7 +76,7 @@ def _merge(results):
         m["time"] = statistics.median(m["times"]) if m["times"] else None
         m["peak"] = statistics.median(m["peaks"]) if m["peaks"] else None
         m["held_end"] = statistics.median(m["held"]) if m["held"] else None
-    return cfgs, merged, scaling, failures
+    return cfgs, merged, scaling, failures, overhead
 
 
 def _f(v, fmt="{:.1f}", none="—"):
@@ -86,7 +94,7 @@ def _mib(b):
 
 
 def write(results, meta, out_dir) -> str:
-    cfgs, merged, scaling, failures = _merge(results)
+    cfgs, merged, scaling, failures, overhead = _merge(results)
     plots = _plots(cfgs, merged, scaling, out_dir)
     mach = meta["machine"]
     L = []
@@ -106,9 +114,10 @@ def write(results, meta, out_dir) -> str:
     L.append("")
     L.append(_METHOD.format(threads=meta["threads"], rounds=meta["rounds"], repeats=meta["repeats"]))
     L.append("")
-    L += _targets(cfgs, merged, scaling)
+    L += _targets(cfgs, merged, scaling, O.rows(overhead, scaling))
     for name, cfg in cfgs.items():
         L += _table(name, cfg, merged)
+    L += _overhead_table(overhead, scaling)
     L += _scaling_table(scaling)
     strategies = ["floor"] + W.SEED_STRATEGIES + W.STRATEGIES + ["gp_prune_auto"]
     L += _section("Strategies", [f"* `{s}`: {W.DESCRIPTION[s]}" for s in strategies])
@@ -161,6 +170,12 @@ _METHOD = """## Method
   is the median there, and *x retain, paired* the median over rounds of
   (strategy's step / `retain`'s step in the same round). The time targets are judged
   on the paired ratio; both are printed.
+* **Tracking overhead** (`benchmarks/overhead.py`): plain PyTorch and `graphprune.track()`
+  interleaved in one process per job, torch on 1 thread: a 20k-op chain of `torch.mul` on
+  16 floats (one forward; three in a row, previous graphs freed), a small transformer step
+  (trunk + two heads, `prune_after(l1, keep=x)` between the backwards, against plain
+  `retain_graph=True`), and `tracemalloc`'s traced bytes per node of a 100k-node chain
+  held after a tracked forward minus after a plain one (its own process).
 """
 
 
@@ -185,7 +200,7 @@ def _last_line(error):
     return lines[-1] if lines else "failed"
 
 
-def _targets(cfgs, merged, scaling):
+def _targets(cfgs, merged, scaling, overhead_rows):
     L = ["## Targets (reported, not asserted)", ""]
     L.append("| target | workload | strategy | measured | verdict |")
     L.append("|---|---|---|---|---|")
@@ -232,8 +247,48 @@ def _targets(cfgs, merged, scaling):
             L.append(f"| prune_after <= {PRUNE_TOL:.0%} of the backward it follows (real workload) | "
                      f"{name} | gp_prune | {p / b * 100:.1f}% ({p * 1e3:.2f} ms vs {b * 1e3:.1f} ms) | "
                      f"{_verdict(p / b <= PRUNE_TOL)} |")
+    for r in overhead_rows:
+        L.append(f"| {r['measure']}: {r['target']} | {r['workload']} | {r['strategy']} | {r['value']} | "
+                 f"{_verdict(r['ok'])} |")
     L.append("")
     return L
+
+
+def overhead_section(results) -> list[str]:
+    """The "Tracking overhead" section from a list of job results."""
+    _, _, scaling, _, overhead = _merge(results)
+    return _overhead_table(overhead, scaling)
+
+
+def _overhead_table(overhead, scaling):
+    rows = O.rows(overhead, scaling)
+    if not rows:
+        return []
+    L = ["## Tracking overhead", ""]
+    L.append("graphprune against plain PyTorch in one process per job, torch on 1 thread, plain and "
+             "tracked runs interleaved (`benchmarks/overhead.py`). *plain* and *graphprune* are medians; "
+             "µs/call and the ratios are paired medians over rounds (tracked vs plain of the same round). "
+             "The per-node prune_after / explain rows are the scaling jobs' chain.")
+    L.append("")
+    L.append("| measurement | plain | graphprune | ratio / µs | target | verdict |")
+    L.append("|---|---|---|---|---|---|")
+    for r in rows:
+        L.append(f"| {r['measure']} | {r['plain']} | {r['gp']} | {r['value']} | {r['target']} | "
+                 f"{_verdict(r['ok'])} |")
+    L.append("")
+    L += [line for line in (O.census_line(overhead), _overhead_jobs_line(overhead)) if line]
+    L.append("")
+    return L
+
+
+def _overhead_jobs_line(overhead):
+    if not overhead:
+        return ""
+    times = ", ".join(f"{p} {r['elapsed_s']:.0f} s"
+                      + (f" ({r['steps']} paired steps)" if "steps" in r else "")
+                      for p, r in overhead.items())
+    files = sorted({r["gp_file"] for r in overhead.values()})
+    return f"Job times: {times}. graphprune imported from `{'`, `'.join(files)}`."
 
 
 def _verdict(ok, measurable=True):

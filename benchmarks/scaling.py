@@ -61,6 +61,14 @@ class _Stack:
         return (x if x is not None else w), h.sum()
 
 
+def jobs(level: str, threads: int, shapes=SHAPES) -> list[dict]:
+    """The scaling jobs of a suite level: every shape at every size of the level."""
+    sizes = {"full": [1000, 10000, 100000], "quick": [1000, 10000], "tiny": [200, 1000]}[level]
+    return [dict(kind="scaling", shape=shape, nodes=n, threads=threads,
+                 repeats={"full": 1 if n >= 100000 else 2, "quick": 0, "tiny": 0}[level])
+            for shape in shapes for n in sizes]
+
+
 def _count(tape) -> int:
     return tape.graph().number_of_nodes()
 

@@ -140,6 +140,10 @@ def run_job(job: dict) -> dict:
         return run_scaling(job)
     if kind == "timing":
         return run_timing(job)
+    if kind == "overhead":
+        from .overhead import run_overhead
+
+        return run_overhead(job)
     import torch
 
     from . import workloads as W

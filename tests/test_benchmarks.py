@@ -1,7 +1,8 @@
 """The benchmark suite runs end to end at tiny sizes and writes its report.
 
 Its numbers are not asserted (tiny sizes measure nothing); its structure is: a table
-per workload, a row per strategy, the floor, the targets, the scaling table, plots.
+per workload, a row per strategy, the floor, the targets, the tracking-overhead and
+scaling tables, plots.
 """
 
 import json
@@ -70,6 +71,7 @@ def test_every_strategy_has_a_row_in_every_table(suite):
                 float(cells[3])  # a measured time
     assert "## Targets" in by_title or any(t.startswith("Targets") for t in by_title)
     assert any(t.startswith("Scaling") for t in by_title)
+    assert "| measurement | plain | graphprune |" in by_title.get("Tracking overhead", "")
 
 
 def test_json_has_a_measurement_per_job(suite):
@@ -86,3 +88,6 @@ def test_json_has_a_measurement_per_job(suite):
             assert r["peak_resettable"]
     shapes = {r["job"]["shape"] for r in data["results"] if r["job"]["kind"] == "scaling"}
     assert shapes == {"chain", "fanout", "transformer"}
+    parts = {r["job"]["part"]: r for r in data["results"] if r["job"]["kind"] == "overhead"}
+    assert set(parts) == {"chain", "transformer", "memory"}
+    assert all(r["ok"] for r in parts.values()), [r.get("error") for r in parts.values()]

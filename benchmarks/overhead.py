@@ -1,0 +1,376 @@
+"""What tracking costs: time per torch call, step time, prune time, bytes per node.
+
+Three jobs (``kind="overhead"``, ``part=...``), each in its own fresh process, torch on
+one thread, every comparison plain vs ``graphprune.track()`` in that one process:
+
+* ``chain``       -- a chain of ``n`` ``h = torch.mul(h, c)`` on 16 floats (``c`` a
+  constant, ``h`` starting at a leaf that requires grad): one forward, and the steady
+  state (three forwards in a row, each after the previous graph was freed, the frees
+  inside the timed window).  Plain and tracked alternate round by round (order
+  flipped each round, one warm-up round); the overhead per torch call is the median
+  over rounds of (tracked - plain) / calls, paired within a round.
+* ``transformer`` -- a trunk of 4 ``TransformerEncoderLayer(128, 4, 256)`` and two heads
+  of one layer each on 8 x 64 tokens.  Plain step: forward, ``l1.backward(retain_graph=
+  True)``, ``l2.backward()``; graphprune step: the forward under ``track()``, the same
+  backwards with ``prune_after(l1, keep=x)`` between them.  Each step ends by dropping
+  its tensors (timed, in both).  Steps alternate until a time budget is spent; ratios
+  are paired medians, prune_after's share is the median of prune / its ``l1`` backward.
+* ``memory``      -- a chain of ``n`` muls under ``tracemalloc``: traced Python memory
+  held after a tracked forward minus after an identical plain one, per node.  Only
+  Python allocations are traced; the tensors are the same in both and cancel out.
+
+The counts (torch calls a ``TorchFunctionMode`` sees, autograd nodes, saved tensors)
+come from an extra untimed plain forward.  The prune_after / explain cost per node
+comes from the scaling jobs (``scaling.py``, shape ``chain``).  ``python -m
+benchmarks.overhead [--quick|--tiny]`` runs these jobs alone and prints the table.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import statistics
+import sys
+import time
+import tracemalloc
+
+import torch
+import torch.nn as nn
+from torch.overrides import TorchFunctionMode
+
+import graphprune as gp
+
+PARTS = ("chain", "transformer", "memory")
+# the targets (reported, never asserted)
+CALL_US, STEADY_US = 4.0, 5.0  # µs per torch call over plain: one forward, steady state
+FWD_X, STEP_X, PRUNE_SHARE = 1.15, 1.05, 0.04  # transformer: forward, step, prune / backward
+NODE_BYTES = 150  # traced bytes per tracked node
+SCALING_US = {1000: 4.0, 10000: 4.0, 100000: 8.0}  # prune_after / explain µs per node
+
+SIZES = {
+    "full": dict(chain=20000, chain_rounds=9, d=128, heads=4, ff=256, batch=8, seq=64,
+                 steps=300, budget_s=40.0, memory=100000),
+    "quick": dict(chain=10000, chain_rounds=3, d=128, heads=4, ff=256, batch=8, seq=64,
+                  steps=60, budget_s=6.0, memory=20000),
+    "tiny": dict(chain=300, chain_rounds=1, d=32, heads=4, ff=64, batch=2, seq=8,
+                 steps=3, budget_s=1.0, memory=2000),
+}
+
+
+def jobs(level: str) -> list[dict]:
+    """The overhead jobs of a suite level, one per part."""
+    return [dict(kind="overhead", part=p, level=level, threads=1) for p in PARTS]
+
+
+def run_overhead(job: dict) -> dict:
+    torch.set_num_threads(1)  # the issue's setting, whatever --threads says
+    torch.manual_seed(0)
+    size = SIZES[job["level"]]
+    run = {"chain": run_chain, "transformer": run_transformer, "memory": run_memory}[job["part"]]
+    t0 = time.perf_counter()
+    out = run(size)
+    return dict(job=job, ok=True, gp_file=gp.__file__, elapsed_s=time.perf_counter() - t0, **out)
+
+
+# -- counting ----------------------------------------------------------------------------
+class _CallCounter(TorchFunctionMode):
+    """Counts the torch calls a TorchFunctionMode sees (what graphprune's recorder sees)."""
+
+    calls = 0
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        self.calls += 1
+        return func(*args, **(kwargs or {}))
+
+
+def _count_nodes(roots) -> int:
+    """Distinct autograd nodes reachable from ``roots`` (creates their Python wrappers:
+    keep it to graphs of < 50k nodes, torch 2.13 crashes tearing down longer chains)."""
+    seen, stack = {}, [t.grad_fn for t in roots]
+    while stack:
+        fn = stack.pop()
+        if fn is not None and id(fn) not in seen:
+            seen[id(fn)] = fn
+            stack.extend(f for f, _ in fn.next_functions)
+    return len(seen)
+
+
+def census(forward) -> dict:
+    """Torch calls, nodes and saved tensors of one untimed plain ``forward()``."""
+    saved = [0]
+
+    def pack(t):
+        saved[0] += 1
+        return t
+
+    counter = _CallCounter()
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), counter:
+        outs = forward()
+    out = dict(calls=counter.calls, nodes=_count_nodes(outs), saved=saved[0])
+    del outs
+    gc.collect()
+    return out
+
+
+def _paired(a, b, op) -> float:
+    """Median over rounds of ``op(a_i, b_i)``."""
+    return statistics.median(op(x, y) for x, y in zip(a, b))
+
+
+# -- the tiny-op chain ----------------------------------------------------------------
+def _mul_chain(w, c, n):
+    h = w
+    for _ in range(n):
+        h = torch.mul(h, c)
+    return h
+
+
+def _one(forward) -> float:
+    """Time one forward; free its graph outside the timed window."""
+    gc.collect()
+    t0 = time.perf_counter()
+    y = forward()
+    dt = time.perf_counter() - t0
+    del y
+    return dt
+
+
+def _steady(forward, k=3) -> float:
+    """Time ``k`` forwards in a row, each previous graph freed before the next one."""
+    gc.collect()
+    t0 = time.perf_counter()
+    y = None
+    for _ in range(k):
+        y = None
+        y = forward()
+    dt = time.perf_counter() - t0
+    del y
+    return dt
+
+
+def run_chain(size) -> dict:
+    n = size["chain"]
+    w, c = torch.randn(16, requires_grad=True), torch.ones(16)
+
+    def plain():
+        return _mul_chain(w, c, n)
+
+    def tracked():
+        with gp.track():
+            return _mul_chain(w, c, n)
+
+    counts = census(lambda: [plain()])
+    t = {k: [] for k in ("plain", "gp", "plain3", "gp3")}
+    for rnd in range(size["chain_rounds"] + 1):  # round 0 warms up
+        pairs = [("plain", plain), ("gp", tracked)][:: 1 if rnd % 2 else -1]
+        one = {k: _one(f) for k, f in pairs}
+        three = {k + "3": _steady(f) for k, f in pairs}
+        if rnd:
+            for k, v in {**one, **three}.items():
+                t[k].append(v)
+    calls = counts["calls"]
+    return dict(calls=calls, census=counts, times_s=t,
+                median_s={k: statistics.median(v) for k, v in t.items()},
+                us_per_call=_paired(t["gp"], t["plain"], lambda a, b: (a - b) / calls * 1e6),
+                steady_us_per_call=_paired(t["gp3"], t["plain3"], lambda a, b: (a - b) / (3 * calls) * 1e6))
+
+
+# -- the small transformer ------------------------------------------------------------
+class _Model:
+    def __init__(self, s):
+        def layer():
+            return nn.TransformerEncoderLayer(s["d"], s["heads"], s["ff"], dropout=0.0, batch_first=True)
+
+        self.trunk = nn.Sequential(*[layer() for _ in range(4)])
+        self.head1, self.head2 = layer(), layer()
+        self.params = [p for m in (self.trunk, self.head1, self.head2) for p in m.parameters()]
+        self.inp = torch.randn(s["batch"], s["seq"], s["d"])
+
+    def forward(self):
+        x = self.trunk(self.inp)
+        return x, self.head1(x).square().mean(), self.head2(x).square().mean()
+
+
+def _plain_step(m) -> dict:
+    t0 = time.perf_counter()
+    x, l1, l2 = m.forward()
+    t1 = time.perf_counter()
+    l1.backward(retain_graph=True)
+    t2 = time.perf_counter()
+    l2.backward()
+    del x, l1, l2
+    t3 = time.perf_counter()
+    return dict(fwd=t1 - t0, bwd1=t2 - t1, step=t3 - t0)
+
+
+def _gp_step(m) -> dict:
+    t0 = time.perf_counter()
+    with gp.track():
+        x, l1, l2 = m.forward()
+    t1 = time.perf_counter()
+    l1.backward(retain_graph=True)
+    t2 = time.perf_counter()
+    gp.prune_after(l1, keep=x)
+    t3 = time.perf_counter()
+    l2.backward()
+    del x, l1, l2
+    t4 = time.perf_counter()
+    return dict(fwd=t1 - t0, bwd1=t2 - t1, prune=t3 - t2, step=t4 - t0)
+
+
+def run_transformer(size) -> dict:
+    m = _Model(size)
+    counts = census(lambda: m.forward())
+    runs = {"plain": [], "gp": []}
+    start, rnd = time.perf_counter(), 0
+    while rnd < size["steps"] + 2 and (rnd < 5 or time.perf_counter() - start < size["budget_s"]):
+        gc.collect()  # once a round: a collection costs ~0.1 s with torch imported
+        for name, step in [("plain", _plain_step), ("gp", _gp_step)][:: 1 if rnd % 2 else -1]:
+            for p in m.params:
+                p.grad = None
+            r = step(m)
+            if rnd >= 2:  # two warm-up rounds
+                runs[name].append(r)
+        rnd += 1
+
+    def col(name, key):
+        return [r[key] for r in runs[name]]
+
+    med = {f"{n}_{k}": statistics.median(col(n, k)) for n in runs for k in runs[n][0]}
+    return dict(census=counts, steps=len(runs["gp"]), median_s=med,
+                fwd_ratio=_paired(col("gp", "fwd"), col("plain", "fwd"), lambda a, b: a / b),
+                step_ratio=_paired(col("gp", "step"), col("plain", "step"), lambda a, b: a / b),
+                prune_share=_paired(col("gp", "prune"), col("gp", "bwd1"), lambda a, b: a / b))
+
+
+# -- bookkeeping bytes ----------------------------------------------------------------
+def _traced(forward):
+    """(traced bytes a ``forward()`` leaves held, its result)."""
+    gc.collect()
+    before = tracemalloc.get_traced_memory()[0]
+    y = forward()
+    gc.collect()
+    return tracemalloc.get_traced_memory()[0] - before, y
+
+
+def run_memory(size) -> dict:
+    n = size["memory"]
+    w, c = torch.randn(16, requires_grad=True), torch.ones(16)
+
+    def tracked(k):
+        with gp.track():
+            return _mul_chain(w, c, k)
+
+    warm = tracked(100), _mul_chain(w, c, 100)  # first-call caches are not per-node cost
+    del warm
+    t0 = time.perf_counter()
+    tracemalloc.start()
+    plain_b, y_plain = _traced(lambda: _mul_chain(w, c, n))
+    gp_b, y_gp = _traced(lambda: tracked(n))
+    tracemalloc.stop()
+    elapsed = time.perf_counter() - t0
+    nodes = n + 1  # n MulBackward0 and the leaf's AccumulateGrad
+    del y_plain, y_gp
+    return dict(nodes=nodes, plain_bytes=plain_b, gp_bytes=gp_b,
+                bytes_per_node=(gp_b - plain_b) / nodes, traced_s=elapsed)
+
+
+# -- the report's rows ----------------------------------------------------------------
+def _row(measure, plain, graphprune, value, target, ok, workload, strategy="track") -> dict:
+    return dict(measure=measure, plain=plain, gp=graphprune, value=value, target=target, ok=ok,
+                workload=workload, strategy=strategy)
+
+
+def _chain_rows(r) -> list[dict]:
+    m, n = r["median_s"], r["calls"]
+    wl = f"overhead/chain ({n} x mul, 16 floats)"
+    return [
+        _row(f"tiny-op chain, one forward: {n} x `torch.mul` on 16 floats", f"{m['plain'] * 1e3:.1f} ms",
+             f"{m['gp'] * 1e3:.1f} ms", f"+{r['us_per_call']:.2f} µs/call", f"≤ {CALL_US:g} µs/call",
+             r["us_per_call"] <= CALL_US, wl),
+        _row("tiny-op chain, steady state: 3 forwards in a row, previous graphs freed",
+             f"{m['plain3'] * 1e3:.1f} ms", f"{m['gp3'] * 1e3:.1f} ms",
+             f"+{r['steady_us_per_call']:.2f} µs/call", f"≤ {STEADY_US:g} µs/call",
+             r["steady_us_per_call"] <= STEADY_US, wl),
+    ]
+
+
+def _transformer_rows(r) -> list[dict]:
+    m = r["median_s"]
+    wl = f"overhead/transformer ({r['steps']} paired steps)"
+    return [
+        _row("small transformer, forward (4-layer trunk + 2 one-layer heads)",
+             f"{m['plain_fwd'] * 1e3:.1f} ms", f"{m['gp_fwd'] * 1e3:.1f} ms", f"{r['fwd_ratio']:.3f}x",
+             f"≤ {FWD_X:g}x",
+             r["fwd_ratio"] <= FWD_X, wl),
+        _row("small transformer, step vs plain `retain_graph=True`", f"{m['plain_step'] * 1e3:.1f} ms",
+             f"{m['gp_step'] * 1e3:.1f} ms", f"{r['step_ratio']:.3f}x", f"≤ {STEP_X:g}x",
+             r["step_ratio"] <= STEP_X, wl),
+        _row("`prune_after(l1, keep=x)` / the `l1` backward it follows",
+             f"backward {m['gp_bwd1'] * 1e3:.1f} ms", f"prune {m['gp_prune'] * 1e3:.2f} ms",
+             f"{r['prune_share'] * 100:.1f}%", f"≤ {PRUNE_SHARE:.0%}", r["prune_share"] <= PRUNE_SHARE, wl,
+             "prune_after"),
+    ]
+
+
+def _memory_rows(r) -> list[dict]:
+    n = r["nodes"]
+    return [_row(f"bookkeeping per tracked node: {n}-node mul chain, tracemalloc",
+                 f"{r['plain_bytes'] / n:.0f} B/node", f"{r['gp_bytes'] / n:.0f} B/node",
+                 f"+{r['bytes_per_node']:.0f} B/node", f"≤ {NODE_BYTES} B/node",
+                 r["bytes_per_node"] <= NODE_BYTES, f"overhead/memory ({n} nodes)")]
+
+
+def _scaling_rows(scaling) -> list[dict]:
+    out = []
+    for s in sorted((s for s in scaling if s["shape"] == "chain"), key=lambda s: s["nodes"]):
+        target = SCALING_US[100000] if s["target"] > 10000 else SCALING_US[10000]
+        for name, key in (("prune_after", "prune_s"), ("explain", "explain_s")):
+            us = s[key] / s["nodes"] * 1e6
+            out.append(_row(f"`{name}(y, keep=x)`, chain of {s['nodes']} nodes", "—",
+                            f"{s[key] * 1e3:.1f} ms", f"{us:.2f} µs/node", f"≤ {target:g} µs/node",
+                            us <= target, f"scaling/chain ({s['nodes']} nodes)", name))
+    return out
+
+
+def rows(overhead: dict, scaling: list) -> list[dict]:
+    """Table rows from the overhead jobs' results (``part -> result``) and the scaling rows."""
+    make = {"chain": _chain_rows, "transformer": _transformer_rows, "memory": _memory_rows}
+    out = [r for part in PARTS if part in overhead for r in make[part](overhead[part])]
+    return out + _scaling_rows(scaling)
+
+
+def census_line(overhead: dict) -> str:
+    parts = [f"{p}: {c['calls']} torch calls, {c['nodes']} autograd nodes, {c['saved']} saved tensors"
+             for p in ("chain", "transformer") if (c := overhead.get(p, {}).get("census"))]
+    return "Counts, from one extra untimed plain forward: " + "; ".join(parts) + "." if parts else ""
+
+
+# -- running the overhead jobs alone ---------------------------------------------------
+def main(argv=None) -> int:
+    """``python -m benchmarks.overhead [--quick|--tiny]``: the overhead jobs and the chain
+    scaling jobs in fresh processes; prints the "Tracking overhead" section."""
+    p = argparse.ArgumentParser(prog="python -m benchmarks.overhead", description=main.__doc__)
+    lvl = p.add_mutually_exclusive_group()
+    lvl.add_argument("--quick", action="store_true")
+    lvl.add_argument("--tiny", action="store_true")
+    p.add_argument("--no-scaling", action="store_true", help="skip the chain scaling jobs")
+    args = p.parse_args(argv)
+    level = "tiny" if args.tiny else "quick" if args.quick else "full"
+    from . import report, scaling
+    from .worker import run_isolated
+
+    todo = jobs(level) + ([] if args.no_scaling else scaling.jobs(level, 1, shapes=["chain"]))
+    print(f"graphprune: {gp.__file__}", file=sys.stderr)
+    results = []
+    for job in todo:
+        t0 = time.perf_counter()
+        results.append(run_isolated(job))
+        print(f"{job['kind']}/{job.get('part', job.get('nodes'))}: {time.perf_counter() - t0:.1f} s "
+              f"{'' if results[-1].get('ok') else results[-1].get('error')}", file=sys.stderr)
+    print("\n".join(report.overhead_section(results)))
+    return 0 if all(r.get("ok") for r in results) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
