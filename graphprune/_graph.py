@@ -40,20 +40,19 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from ._marks import RELEASED
 from ._saved import SavedHandle
 
 if TYPE_CHECKING:
     from torch.autograd.graph import Node
 
 __all__ = [
-    "LOCK", "TRACKED", "FOREIGN", "UNTRACKED", "RELEASED", "FINISHED", "children", "saved",
-    "live_handles", "reach", "walk", "mark", "marked", "name", "file_strays", "unclaimed_strays",
+    "LOCK", "TRACKED", "FOREIGN", "UNTRACKED", "children", "saved", "live_handles", "reach", "walk",
+    "name", "file_strays", "unclaimed_strays",
 ]
 
 _CHILDREN = "graphprune"
 _STRAYS = "graphprune.strays"
-RELEASED = "graphprune.released"  # lost saved tensors to a prune
-FINISHED = "graphprune.finished"  # the root of a pruned output: protects nothing
 _saved_names: dict[type, tuple[str, ...]] = {}
 _local = threading.local()
 LOCK = threading.RLock()  # two threads may walk the same nodes
@@ -75,15 +74,6 @@ def children(node) -> tuple:
 
 def name(node) -> str:
     return node.name().rsplit("::", 1)[-1]
-
-
-def mark(node, flag: str) -> None:
-    """Leave ``flag`` (``RELEASED``, ``FINISHED``) on ``node``."""
-    node.metadata[flag] = True
-
-
-def marked(node, flag: str) -> bool:
-    return flag in node.metadata
 
 
 def reach(roots, through_released: bool = True) -> dict[Node, int]:

@@ -10,7 +10,8 @@ import torch
 from torch.autograd.graph import Node
 
 from . import _outputs
-from ._graph import FINISHED, FOREIGN, RELEASED, UNTRACKED, mark, marked, name, reach, saved
+from ._graph import FOREIGN, UNTRACKED, name, reach, saved
+from ._marks import FINISHED, RELEASED
 from ._report import KeptReason, PruneReport, exclusive_bytes, unique_bytes
 from ._saved import SavedHandle
 from ._zero import guard_released
@@ -71,7 +72,7 @@ def live_roots(exclude=(), finished: bool = False) -> list[tuple[Node, str]]:
             fn = t.grad_fn
         except RuntimeError:  # a view made under no_grad and modified in place
             continue
-        if fn is not None and (finished or not marked(fn, FINISHED)):
+        if fn is not None and (finished or FINISHED not in fn.metadata):
             out.append((fn, f"still reachable from the live {_outputs.describe(t)}"))
     return out
 
@@ -156,11 +157,12 @@ class Plan:
             hook.remove()
         self._hooks = []
 
-    def _mark_released(self, nodes) -> None:
+    @staticmethod
+    def _mark_released(nodes, reason: str) -> None:
         """Let zero-gradient passes through these nodes; stop protection walks there."""
         for node in nodes:
+            node.metadata[RELEASED] = reason
             guard_released(node)
-            mark(node, RELEASED)
 
     def release(self) -> None:
         """Release every branch handle; the branch's roots protect nothing any more."""
@@ -168,19 +170,20 @@ class Plan:
         for live in self.handles_by_node.values():
             for h in live:
                 h.release(self.reason)
-        self._mark_released(self.handles_by_node)
+        self._mark_released(self.handles_by_node, self.reason)
         for node in self.roots:
-            mark(node, FINISHED)
+            node.metadata[FINISHED] = True
 
     def abandon(self) -> None:
         """The pass raised: keep what it had not used, and say where the rest went."""
         self._disarm()
+        reason = f"{self.reason}, whose pass raised before it finished"
         ran = [node for node, live in self.handles_by_node.items() if any(h.released for h in live)]
         for node in ran:
             for h in self.handles_by_node[node]:
                 if h.released:
-                    h.released_by = f"{self.reason}, whose pass raised before it finished"
-        self._mark_released(ran)
+                    h.released_by = reason
+        self._mark_released(ran, reason)
 
 
 def _note_task(task: list, grad_outputs) -> None:

@@ -17,15 +17,20 @@ __all__ = ["PruneReport", "KeptReason", "unique_bytes", "exclusive_bytes", "snap
 
 def unique_bytes(handles: list[SavedHandle]) -> int:
     """Bytes of the distinct storages behind ``handles`` (live ones)."""
-    return sum(dict(storage_of(h.tensor) for h in handles).values())
+    spans: dict[int, int] = {}
+    for h in handles:
+        key, nbytes = storage_of(h.tensor)
+        spans[key] = max(nbytes, spans.get(key, 0))
+    return sum(spans.values())
 
 
 def exclusive_bytes(handles: list[SavedHandle]) -> int:
     """Bytes that dropping ``handles`` (live ones) gives back: storages nothing else uses."""
-    by_storage: dict[tuple, list[SavedHandle]] = collections.defaultdict(list)
-    sizes = {}
+    by_storage: dict[int, list[SavedHandle]] = collections.defaultdict(list)
+    sizes: dict[int, int] = {}
     for h in handles:
-        key, sizes[key] = storage_of(h.tensor)
+        key, nbytes = storage_of(h.tensor)
+        sizes[key] = max(nbytes, sizes.get(key, 0))
         by_storage[key].append(h)
     return sum(sizes[key] for key, group in by_storage.items() if not _held_elsewhere(group))
 
@@ -40,9 +45,8 @@ def _held_elsewhere(group: list[SavedHandle]) -> bool:
         if sys.getrefcount(t) - mine - 3 > 0:  # 3: the dict, the loop, getrefcount's argument
             return True
     try:
-        storage = group[0].tensor.untyped_storage()  # one more use while it lives
-        return torch._C._storage_Use_Count(storage._cdata) - 1 - len(tensors) > 0
-    except (RuntimeError, NotImplementedError, AttributeError):  # sparse, nested
+        return torch._C._storage_Use_Count(torch._C._storage_address(group[0].tensor)) - len(tensors) > 0
+    except (RuntimeError, NotImplementedError):  # sparse, nested
         return False
 
 
@@ -105,7 +109,8 @@ def _fmt_bytes(n: int) -> str:
 def snapshot(tape) -> nx.DiGraph:
     """Copy the live graph of ``tape``'s forwards into a plain ``DiGraph``: the nodes
     that the live tracked tensors reach and that the tape built."""
-    from ._graph import RELEASED, TRACKED, children, name, saved
+    from ._graph import TRACKED, children, name, saved
+    from ._marks import RELEASED
     from ._plan import live_roots
 
     trunk = reach((node for node, _ in live_roots()), through_released=False)

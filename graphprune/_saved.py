@@ -16,19 +16,26 @@ from __future__ import annotations
 
 import torch
 
-from ._zero import in_zero_pass, placeholder
-from .errors import InplaceModifiedError, ReleasedTensorError
+from ._marks import GUARDED
+from ._zero import placeholder
+from .errors import InplaceModifiedError, ReleasedTensorError, released_message
 
 __all__ = ["SavedHandle", "pack", "storage_of"]
 
 
-def storage_of(t: torch.Tensor) -> tuple[tuple, int]:
-    """Return ``(key, nbytes)`` of the storage behind ``t``; the key is unique while it lives."""
+def storage_of(t: torch.Tensor) -> tuple[int, int]:
+    """Return ``(key, nbytes)`` of the storage behind ``t``: the key is the storage's
+    address (unique while it lives), the bytes those that ``t`` spans in it.
+
+    ``t.untyped_storage()`` would be exact for a view of a larger storage, but its
+    Python object is kept alive by the storage: one more object per saved tensor for
+    the garbage collector to walk (DESIGN.md fact 14), for as long as the graph lives.
+    """
     try:
-        storage = t.untyped_storage()
-        return (str(t.device), storage.data_ptr()), storage.nbytes()
+        span = t.storage_offset() + sum((n - 1) * s for n, s in zip(t.shape, t.stride())) + 1
+        return torch._C._storage_address(t), (span if t.numel() else 0) * t.element_size()
     except (RuntimeError, NotImplementedError):  # sparse, nested, functional tensors
-        return ("tensor", id(t)), t.numel() * t.element_size()
+        return id(t), t.numel() * t.element_size()
 
 
 class SavedHandle:
@@ -56,35 +63,30 @@ class SavedHandle:
         """Drop the tensor; a later unpack raises :class:`ReleasedTensorError` naming ``reason``."""
         t = self.tensor
         if t is not None:
-            self.meta = (t.shape, t.dtype, t.device)
-            self.tensor = None
+            self.meta = (tuple(t.shape), t.dtype, t.device)  # no torch.Size: a tuple of ints
+            self.tensor = None  # is no object for the garbage collector to walk
             self.released_by = reason
 
     def unpack(self) -> torch.Tensor:
         """Return the saved tensor for a backward pass, checking what PyTorch skips with hooks."""
         t = self.tensor
         if t is None:
-            if in_zero_pass():  # NOTE [ Zero-gradient passes through released nodes ]
-                return placeholder(*self.meta)
-            raise ReleasedTensorError(self._released_message())
+            node = torch._C._current_autograd_node()
+            if node is not None and GUARDED in node.metadata:
+                return placeholder(*self.meta)  # NOTE [ Zero-gradient passes through released nodes ]
+            raise ReleasedTensorError(released_message(_name(node), self.released_by))
         if t._version != self.version:
             raise InplaceModifiedError(self._inplace_message(t))
         return t
-
-    def _released_message(self) -> str:
-        return (
-            f"graphprune: a backward pass needs a saved tensor of {_running_node()} that was "
-            f"released by {self.released_by}. Pass keep=<the tensor you backpropagate later> "
-            "to that call, or run this backward before pruning."
-        )
 
     def _inplace_message(self, t: torch.Tensor) -> str:
         return (
             "graphprune: one of the variables needed for gradient computation has been "
             f"modified by an inplace operation: [{_describe(t)}], saved by "
-            f"{_running_node()}, is at version {t._version}; expected version {self.version} "
-            "instead. Hint: PyTorch skips this check while saved-tensor hooks are set; "
-            "graphprune restores it. Clone the tensor before modifying it in place."
+            f"{_name(torch._C._current_autograd_node())}, is at version {t._version}; "
+            f"expected version {self.version} instead. Hint: PyTorch skips this check while "
+            "saved-tensor hooks are set; graphprune restores it. Clone the tensor before "
+            "modifying it in place."
         )
 
 
@@ -95,8 +97,7 @@ def pack(t: torch.Tensor, tape: int) -> SavedHandle:
     return SavedHandle(t.detach(), t._version, tape, False)
 
 
-def _running_node() -> str:
-    node = torch._C._current_autograd_node()
+def _name(node) -> str:
     return node.name() if node is not None else "an autograd node"
 
 

@@ -5,53 +5,36 @@ Losses stacked with ``torch.stack`` (or summed with weights that are zero for a
 task) make ``losses[1].backward()`` run head 0's nodes too, with all-zero incoming
 gradients (DESIGN.md fact 9). Plain PyTorch computes zeros there; a released node
 has no tensors left. Backward functions are linear in the incoming gradient, so
-zero in means zero out: a prehook notes that every incoming gradient is zero, the
-unpack hook then hands the node a zero-stride placeholder instead of raising, and a
-post-hook replaces the node's outputs with zeros (the placeholder may give NaN, as
-in Div or Log). A non-zero gradient into a released node still raises.
-Hooks are keyed by the id of the node's wrapper, which stays the same object while
-the node lives: a closure that held the wrapper itself would be a reference cycle
-through C++. The zero mark is keyed by (node, graph task), so a
-node that raised mid-pass, or another thread's pass, never sees a stale mark.
+zero in means zero out: the unpack hook hands a guarded node a placeholder for each
+released tensor, and the node's post-hook, which sees the incoming gradients,
+replaces its outputs with zeros (the placeholder may give NaN, as in Div or Log) or,
+if any incoming gradient is non-zero, raises :class:`ReleasedTensorError`: never a
+wrong gradient. One post-hook per node, a plain function shared by all nodes: a
+closure that held the node's wrapper would be a reference cycle through C++.
 Placeholders of floating tensors are zero-stride (no memory); integer ones (LU
 pivots, indices) are contiguous ones, which the kernels that read them accept.
 """
 
 from __future__ import annotations
 
-import functools
-import threading
-
 import torch
 
-__all__ = ["guard_released", "in_zero_pass"]
+from ._marks import GUARDED, RELEASED
+from .errors import ReleasedTensorError, released_message
 
-GUARDED = "graphprune.guarded"  # node.metadata key: the hooks are registered
-_zero_pass: set[tuple[int, int]] = set()  # (id of the node's wrapper, graph task id)
-_lock = threading.Lock()
+__all__ = ["guard_released", "placeholder"]
 
 
 def _all_zero(grads) -> bool:
     return all(g is None or not bool(g.any()) for g in grads)
 
 
-def _prehook(node_id: int, grad_outputs):
-    key = (node_id, torch._C._current_graph_task_id())
-    with _lock:
-        if _all_zero(grad_outputs):
-            _zero_pass.add(key)
-        else:
-            _zero_pass.discard(key)
-    return None
-
-
-def _posthook(node_id: int, grad_inputs, grad_outputs):
-    key = (node_id, torch._C._current_graph_task_id())
-    with _lock:
-        if key not in _zero_pass:
-            return None
-        _zero_pass.discard(key)
-    return tuple(None if g is None else torch.zeros_like(g) for g in grad_inputs)
+def _zero_in_zero_out(grad_inputs, grad_outputs):
+    """The post-hook of every released node (one function, no closure: DESIGN.md fact 9)."""
+    if _all_zero(grad_outputs):
+        return tuple(None if g is None else torch.zeros_like(g) for g in grad_inputs)
+    node = torch._C._current_autograd_node()
+    raise ReleasedTensorError(released_message(node.name(), node.metadata.get(RELEASED)))
 
 
 def guard_released(node) -> None:
@@ -59,14 +42,7 @@ def guard_released(node) -> None:
     md = node.metadata
     if GUARDED not in md:
         md[GUARDED] = True
-        node.register_prehook(functools.partial(_prehook, id(node)))
-        node.register_hook(functools.partial(_posthook, id(node)))
-
-
-def in_zero_pass() -> bool:
-    """Whether the node running now came in with all-zero gradients."""
-    node = torch._C._current_autograd_node()
-    return node is not None and (id(node), torch._C._current_graph_task_id()) in _zero_pass
+        node.register_hook(_zero_in_zero_out)
 
 
 def placeholder(shape, dtype: torch.dtype, device) -> torch.Tensor:

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-__all__ = ["GraphPruneError", "ReleasedTensorError", "InplaceModifiedError"]
+__all__ = ["GraphPruneError", "ReleasedTensorError", "InplaceModifiedError", "released_message"]
 
 
 class GraphPruneError(RuntimeError):
@@ -20,3 +20,12 @@ class InplaceModifiedError(GraphPruneError):
     (``saved_variable.cpp``: "Only check version counter in the case without
     hooks"); graphprune restores it and raises this instead.
     """
+
+
+def released_message(node: str, released_by: str | None) -> str:
+    """The text of :class:`ReleasedTensorError` for a node and the call that released it."""
+    return (
+        f"graphprune: a backward pass needs a saved tensor of {node} that was "
+        f"released by {released_by or 'a graphprune call'}. Pass keep=<the tensor you "
+        "backpropagate later> to that call, or run this backward before pruning."
+    )
