@@ -34,6 +34,7 @@ node's death then goes through a dict dealloc, which CPython's trashcan defers o
 from __future__ import annotations
 
 import collections
+import operator
 import threading
 import weakref
 from typing import TYPE_CHECKING
@@ -54,6 +55,7 @@ __all__ = [
 _CHILDREN = "graphprune"
 _STRAYS = "graphprune.strays"
 _saved_names: dict[type, tuple[str, ...]] = {}
+_first = operator.itemgetter(0)
 _local = threading.local()
 LOCK = threading.RLock()  # two threads may walk the same nodes
 
@@ -62,14 +64,17 @@ _SCALAR_DTYPES = (torch.float64, torch.int64, torch.complex128, torch.bool)
 
 
 def children(node) -> tuple:
-    """``node``'s children (wrappers), cached in its metadata on the first call."""
+    """``node``'s children (wrappers), cached in its metadata on the first call: a
+    lone child as itself, so that a chain costs no tuple per node."""
     md = node.metadata
     kids = md.get(_CHILDREN)
     if kids is None:
-        kids = md[_CHILDREN] = tuple(fn for fn, _ in node.next_functions if fn is not None)
+        kids = tuple(filter(None, map(_first, node.next_functions)))
+        md[_CHILDREN] = kids[0] if len(kids) == 1 else kids
         if type(node).__name__ == "CopySlices":
             md[_STRAYS] = _claim_strays(node._sequence_nr())
-    return kids
+        return kids
+    return kids if type(kids) is tuple else (kids,)
 
 
 def name(node) -> str:
@@ -95,7 +100,9 @@ def reach(roots, through_released: bool = True) -> dict[Node, int]:
             node = queue.popleft()
             label = out[node]
             kids = node.metadata.get(_CHILDREN)
-            for child in children(node) if kids is None else kids:
+            if type(kids) is not tuple:
+                kids = children(node) if kids is None else (kids,)
+            for child in kids:
                 if child not in out and (through_released or RELEASED not in child.metadata):
                     out[child] = label
                     queue.append(child)
@@ -115,12 +122,15 @@ def saved(node) -> tuple[list[SavedHandle], str]:
     outside ``track()``: PyTorch holds them)."""
     names = _saved_names.get(type(node))
     if names is None:
-        names = _saved_names[type(node)] = tuple(n for n in dir(type(node)) if n.startswith("_raw_saved_"))
-    handles = [h for h in (r() for r in node.metadata.get(_STRAYS, ())) if h is not None]
+        names = _saved_names[type(node)] = _saved_attributes(type(node))
+    handles: list[SavedHandle] = []
     kind = TRACKED
     for attr in names:
+        if attr is _STRAYS:
+            handles += [h for h in (r() for r in node.metadata.get(_STRAYS, ())) if h is not None]
+            continue
         for packed in _packed(node, attr):
-            if isinstance(packed, SavedHandle):
+            if type(packed) is SavedHandle:
                 if packed not in handles:
                     handles.append(packed)
             elif isinstance(packed, torch.Tensor):
@@ -129,6 +139,13 @@ def saved(node) -> tuple[list[SavedHandle], str]:
             elif packed is not None:
                 kind = FOREIGN
     return handles, TRACKED if handles else kind
+
+
+def _saved_attributes(node_type: type) -> tuple[str, ...]:
+    """Where a node of ``node_type`` keeps what it saved; ``_STRAYS`` for a CopySlices."""
+    if node_type.__name__ == "CopySlices":
+        return (_STRAYS,)
+    return tuple(n for n in dir(node_type) if n.startswith("_raw_saved_"))
 
 
 def live_handles(node) -> list[SavedHandle]:

@@ -32,6 +32,8 @@ def storage_of(t: torch.Tensor) -> tuple[int, int]:
     the garbage collector to walk (DESIGN.md fact 14), for as long as the graph lives.
     """
     try:
+        if t.is_contiguous():
+            return torch._C._storage_address(t), t.storage_offset() * t.element_size() + t.nbytes
         span = t.storage_offset() + sum((n - 1) * s for n, s in zip(t.shape, t.stride())) + 1
         return torch._C._storage_address(t), (span if t.numel() else 0) * t.element_size()
     except (RuntimeError, NotImplementedError):  # sparse, nested, functional tensors
