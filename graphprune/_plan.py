@@ -59,10 +59,14 @@ def _keep_roots(keep, call: str) -> list[tuple[Node, str]]:
     return roots
 
 
-def live_roots(exclude=(), finished: bool = False) -> list[tuple[Node, str]]:
-    """``(grad_fn, description)`` of each live tracked tensor not in ``exclude`` that
-    still protects something: its graph is found through its current ``grad_fn``
-    (in-place ops move it), and an output already pruned (its node finished)
+def _live_text(t: torch.Tensor) -> str:
+    return f"still reachable from the live {_outputs.describe(t)}"
+
+
+def live_roots(exclude=(), finished: bool = False) -> list[tuple[Node, object]]:
+    """``(grad_fn, description or a callable that makes it)`` of each live tracked
+    tensor not in ``exclude`` that still protects something: its graph is found through
+    its current ``grad_fn`` (in-place ops move it), and an output already pruned (its node finished)
     protects nothing (``finished=True`` lists those too)."""
     out = []
     for t in _outputs.live():
@@ -73,7 +77,7 @@ def live_roots(exclude=(), finished: bool = False) -> list[tuple[Node, str]]:
         except RuntimeError:  # a view made under no_grad and modified in place
             continue
         if fn is not None and (finished or FINISHED not in fn.metadata):
-            out.append((fn, f"still reachable from the live {_outputs.describe(t)}"))
+            out.append((fn, functools.partial(_live_text, t)))  # formatted only if reported
     return out
 
 
@@ -94,7 +98,7 @@ class Plan:
         self.reach = reach([t.grad_fn for t in ys])
         guards.sort(key=lambda g: g[0] not in self.reach)  # explain by nearest protector
         self.protected = reach((node for node, _ in guards), through_released=False)
-        self.guard_text = [text for _, text in guards]
+        self._guard_text = [text for _, text in guards]
         self.branch = [node for node in self.reach if node not in self.protected]
         self.roots = [t.grad_fn for t in ys if t.grad_fn not in self.protected]
         self.handles_by_node, self.report_args = self._measure()
@@ -112,7 +116,7 @@ class Plan:
             elif kind == UNTRACKED:
                 reason = _UNTRACKED_REASON
             elif node in self.protected:
-                reason = self.guard_text[self.protected[node]]
+                reason = self._guard_reason(self.protected[node])
             else:
                 if live:
                     released[name(node)] += 1
@@ -121,19 +125,26 @@ class Plan:
             kept_by[reason].append(live)
         trunk = []
         kept = []
+        spans: dict = {}
         for reason, groups in kept_by.items():
             held = [h for live in groups for h in live if not h.leaf]
             trunk += held
             unknown = reason in (_FOREIGN_REASON, _UNTRACKED_REASON)  # not graphprune's handles
-            kept.append(KeptReason(reason, len(groups), None if unknown else unique_bytes(held)))
+            kept.append(KeptReason(reason, len(groups), None if unknown else unique_bytes(held, spans)))
         handles = [h for live in by_node.values() for h in live]
         return by_node, dict(
             released_nodes=dict(released),
             released_tensors=len(handles),
             bytes_freed=exclusive_bytes(handles),
-            bytes_kept=unique_bytes(trunk),
+            bytes_kept=unique_bytes(trunk, spans),
             kept=tuple(kept),
         )
+
+    def _guard_reason(self, index: int) -> str:
+        text = self._guard_text[index]
+        if callable(text):
+            text = self._guard_text[index] = text()
+        return text
 
     def report(self, call: str, dry_run: bool) -> PruneReport:
         return PruneReport(call=call, dry_run=dry_run, **self.report_args)

@@ -15,13 +15,17 @@ from ._saved import SavedHandle, storage_of
 __all__ = ["PruneReport", "KeptReason", "unique_bytes", "exclusive_bytes", "snapshot"]
 
 
-def unique_bytes(handles: list[SavedHandle]) -> int:
-    """Bytes of the distinct storages behind ``handles`` (live ones)."""
-    spans: dict[int, int] = {}
+def unique_bytes(handles: list[SavedHandle], spans: dict | None = None) -> int:
+    """Bytes of the distinct storages behind ``handles`` (live ones); ``spans`` caches
+    ``storage_of`` by handle across calls."""
+    largest: dict[int, int] = {}
     for h in handles:
-        key, nbytes = storage_of(h.tensor)
-        spans[key] = max(nbytes, spans.get(key, 0))
-    return sum(spans.values())
+        if spans is None:
+            key, nbytes = storage_of(h.tensor)
+        else:
+            key, nbytes = spans.get(h) or spans.setdefault(h, storage_of(h.tensor))
+        largest[key] = max(nbytes, largest.get(key, 0))
+    return sum(largest.values())
 
 
 def exclusive_bytes(handles: list[SavedHandle]) -> int:
