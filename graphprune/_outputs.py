@@ -80,6 +80,32 @@ def note(tensors, ours: bool = True) -> None:
         _limit[0] = max(1 << 16, 2 * len(_outputs))
 
 
+def note_one(t: torch.Tensor) -> None:
+    """:func:`note` for one tensor made by a torch call, the recorder's common case,
+    with the frame walk inlined (a function call less per torch call)."""
+    try:
+        frame = sys._getframe(2)  # this, the recorder, then the caller of the torch call
+    except ValueError:
+        frame = None
+    while frame is not None:
+        code = frame.f_code
+        inside = _library_code.get(code)
+        if inside is None:
+            inside = _library_code[code] = code.co_filename.startswith((_TORCH_DIR, _OWN_DIR))
+        if not inside:
+            break
+        frame = frame.f_back
+    ref = Output(t)
+    if frame is None:
+        ref.code, ref.lasti = None, 0
+    else:
+        ref.code, ref.lasti = frame.f_code, frame.f_lasti
+    _outputs.append(ref)
+    if len(_outputs) > _limit[0]:
+        _compact()
+        _limit[0] = max(1 << 16, 2 * len(_outputs))
+
+
 def _compact() -> None:
     """Drop dead references; appends from other threads during it are kept."""
     if not _compacting.acquire(blocking=False):

@@ -21,6 +21,8 @@ _tape_ids = itertools.count(1)
 _OWN_FILE = f'"{__file__}"'
 _NoSubclassDispatch = torch._C.DisableTorchFunctionSubclass
 _is_compiling = torch.compiler.is_compiling
+_anomaly_enabled = torch.is_anomaly_enabled
+_note_one = _outputs.note_one
 _local = threading.local()  # .tapes: this thread's open tapes, innermost last
 _Tensor = torch.Tensor
 _inplace_funcs: dict = {}  # func -> whether it modifies its first argument in place
@@ -69,7 +71,22 @@ class _OutputRecorder(TorchFunctionMode):
         if inplace and args and isinstance(args[0], _Tensor) and _is_view(args[0]):
             return _call_inplace_on_view(func, args, kwargs)
         out = func(*args, **kwargs)
-        _note_safely(out, args)
+        if type(out) is _Tensor:  # the common case, inlined: this runs for every torch call
+            try:
+                if not out.is_leaf:
+                    _note_one(out)
+                for a in args:
+                    if type(a) is _Tensor:
+                        if not getweakrefcount(a) and a.requires_grad and not a.is_leaf:
+                            _note_unseen(a)
+                    elif isinstance(a, (tuple, list)):
+                        _note_unseen_in(a)
+            except RuntimeError:  # a view made under no_grad, modified in place: its
+                return out  # grad_fn raises, and plain PyTorch would never have read it
+            if _anomaly_enabled():
+                _drop_own_frames(out)
+        else:
+            _note_safely(out, args)
         return out
 
 
@@ -90,7 +107,7 @@ def _note_safely(out, args) -> None:
                 _note_call(out, args)
     except RuntimeError:  # a view made under no_grad, modified in place: its
         return  # grad_fn raises, and plain PyTorch would never have read it
-    if torch.is_anomaly_enabled():
+    if _anomaly_enabled():
         _drop_own_frames(out)
 
 
@@ -112,12 +129,16 @@ def _note_call(out, args) -> None:
             _outputs.note(made)
     for a in args:
         if isinstance(a, _Tensor):
-            if a.requires_grad and not getweakrefcount(a) and not a.is_leaf:
+            if not getweakrefcount(a) and a.requires_grad and not a.is_leaf:
                 _note_unseen(a)
         elif isinstance(a, (tuple, list)):
-            for t in a:
-                if isinstance(t, _Tensor) and t.requires_grad and not getweakrefcount(t) and not t.is_leaf:
-                    _note_unseen(t)
+            _note_unseen_in(a)
+
+
+def _note_unseen_in(tensors) -> None:
+    for t in tensors:
+        if isinstance(t, _Tensor) and not getweakrefcount(t) and t.requires_grad and not t.is_leaf:
+            _note_unseen(t)
 
 
 def _note_unseen(t: torch.Tensor) -> None:

@@ -46,3 +46,23 @@ def test_backward_keep_peak_is_lower_than_retain_graph():
         peaks[mode] = torch.cuda.max_memory_allocated() - start
         del w, x, y1
     assert peaks["retain"] - peaks["keep"] >= 2 * 64 * MiB, peaks
+
+
+def test_tracked_step_adds_no_host_device_synchronisation():
+    torch.manual_seed(0)
+    trunk = torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.GELU()).cuda()
+    heads = [torch.nn.Linear(64, 1).cuda() for _ in range(2)]
+    inp = torch.randn(32, 64, device="cuda")
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        with gp.track():
+            x = trunk(inp)
+            l1, l2 = (h(x).square().mean() for h in heads)
+        gp.backward(l1, keep=x)
+        l2.backward(retain_graph=True)
+        gp.prune_after(l2)
+        gp.explain(l2)
+    finally:
+        torch.cuda.set_sync_debug_mode(0)
+    assert all(p.grad is not None for p in trunk.parameters())
