@@ -18,9 +18,8 @@ tensor, nothing that outlives the node. A node is identified by its wrapper, whi
 stays the same object while the node lives.
 
 ``CopySlices`` (an in-place op on a view) hides the node that saved the tensors;
-the output recorder collects the handles packed during such a call and files them
-under the call's sequence numbers (``file_strays``), where the first walk that
-reaches the CopySlices claims them into its metadata.
+the output recorder collects the handles packed during such a call and gives them
+to the CopySlices it made (``attach_hidden``), in its metadata.
 
 NOTE [ Deep graphs and Python wrappers ]
 On torch 2.13 a ``grad_fn`` wrapper, once created, is kept by its C++ node, and a
@@ -41,7 +40,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from ._marks import RELEASED
+from ._marks import RELEASED, STRAYS, node_name
 from ._saved import SavedHandle
 
 if TYPE_CHECKING:
@@ -49,14 +48,12 @@ if TYPE_CHECKING:
 
 __all__ = [
     "LOCK", "TRACKED", "FOREIGN", "UNTRACKED", "children", "saved", "live_handles", "reach", "walk",
-    "name", "file_strays", "unclaimed_strays",
+    "name", "attach_hidden",
 ]
 
 _CHILDREN = "graphprune"
-_STRAYS = "graphprune.strays"
 _saved_names: dict[type, tuple[str, ...]] = {}
 _first = operator.itemgetter(0)
-_local = threading.local()
 LOCK = threading.RLock()  # two threads may walk the same nodes
 
 TRACKED, FOREIGN, UNTRACKED = "tracked", "foreign", "untracked"
@@ -71,14 +68,11 @@ def children(node) -> tuple:
     if kids is None:
         kids = tuple(filter(None, map(_first, node.next_functions)))
         md[_CHILDREN] = kids[0] if len(kids) == 1 else kids
-        if type(node).__name__ == "CopySlices":
-            md[_STRAYS] = _claim_strays(node._sequence_nr())
         return kids
     return kids if type(kids) is tuple else (kids,)
 
 
-def name(node) -> str:
-    return node.name().rsplit("::", 1)[-1]
+name = node_name
 
 
 def reach(roots, through_released: bool = True) -> dict[Node, int]:
@@ -126,8 +120,8 @@ def saved(node) -> tuple[list[SavedHandle], str]:
     handles: list[SavedHandle] = []
     kind = TRACKED
     for attr in names:
-        if attr is _STRAYS:
-            handles += [h for h in (r() for r in node.metadata.get(_STRAYS, ())) if h is not None]
+        if attr is STRAYS:
+            handles += [h for h in (r() for r in node.metadata.get(STRAYS, ())) if h is not None]
             continue
         for packed in _packed(node, attr):
             if type(packed) is SavedHandle:
@@ -142,9 +136,9 @@ def saved(node) -> tuple[list[SavedHandle], str]:
 
 
 def _saved_attributes(node_type: type) -> tuple[str, ...]:
-    """Where a node of ``node_type`` keeps what it saved; ``_STRAYS`` for a CopySlices."""
+    """Where a node of ``node_type`` keeps what it saved; ``STRAYS`` for a CopySlices."""
     if node_type.__name__ == "CopySlices":
-        return (_STRAYS,)
+        return (STRAYS,)
     return tuple(n for n in dir(node_type) if n.startswith("_raw_saved_"))
 
 
@@ -169,36 +163,12 @@ def _maybe_wrapped_number(t: torch.Tensor) -> bool:
 
 
 # -- handles hidden inside CopySlices --------------------------------------------------
-def _strays() -> dict[int, tuple[range, list[weakref.ref]]]:
-    strays = getattr(_local, "strays", None)
-    if strays is None:
-        strays = _local.strays = {}
-    return strays
+def attach_hidden(copy_slices, handles: list[SavedHandle]) -> None:
+    """Give a ``CopySlices`` node the handles its hidden node saved (NOTE [ Lazy records ]).
 
-
-def file_strays(handles: list[SavedHandle], window: range) -> None:
-    """File the handles an in-place op on a view packed, under the sequence numbers
-    of its call, for the ``CopySlices`` it made (NOTE [ Lazy records ])."""
-    strays = _strays()
-    if len(strays) > 4096:
-        for seq in [s for s, (_, refs) in strays.items() if all(r() is None for r in refs)]:
-            del strays[seq]
-    entry = (window, [weakref.ref(h) for h in handles])
-    for seq in window:
-        strays[seq] = entry
-
-
-def _claim_strays(seq: int) -> tuple[weakref.ref, ...]:
-    """Weak references: PyTorch's own release (a pass without ``retain_graph``) must
-    free what the hidden node saved, as it frees every other node's tensors."""
-    strays = _strays()
-    window, refs = strays.get(seq, ((), ()))
-    for s in window:
-        strays.pop(s, None)
-    return tuple(refs)
-
-
-def unclaimed_strays() -> list[SavedHandle]:
-    """This thread's live handles filed for a ``CopySlices`` that no walk reached yet."""
-    entries = {id(e): e for e in _strays().values()}.values()
-    return [h for _, refs in entries for h in (r() for r in refs) if h is not None]
+    Weak references: PyTorch's own release (a pass without ``retain_graph``) must
+    free what the hidden node saved, as it frees every other node's tensors.
+    """
+    md = copy_slices.metadata
+    md[STRAYS] = (*md.get(STRAYS, ()), *(weakref.ref(h) for h in handles))
+    children(copy_slices)  # a wrapper made in the forward: NOTE [ Deep graphs and Python wrappers ]

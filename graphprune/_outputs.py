@@ -71,6 +71,8 @@ def note(tensors, ours: bool = True) -> None:
     code = None if frame is None else frame.f_code
     lasti = -1 if not ours else 0 if frame is None else frame.f_lasti
     for t in tensors:
+        if weakref.getweakrefcount(t) and output_of(t) is not None:
+            continue
         ref = Output(t)
         ref.code = code
         ref.lasti = lasti
@@ -83,6 +85,8 @@ def note(tensors, ours: bool = True) -> None:
 def note_one(t: torch.Tensor) -> None:
     """:func:`note` for one tensor made by a torch call, the recorder's common case,
     with the frame walk inlined (a function call less per torch call)."""
+    if weakref.getweakrefcount(t) and output_of(t) is not None:  # an op that returned its
+        return  # input (in place, ``contiguous()``): noted once, however often
     try:
         frame = sys._getframe(2)  # this, the recorder, then the caller of the torch call
     except ValueError:

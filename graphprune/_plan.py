@@ -19,7 +19,10 @@ from ._zero import guard_released
 __all__ = ["Plan", "as_outputs"]
 
 _FOREIGN_REASON = "saved under other saved-tensor hooks (checkpoint, save_on_cpu, ...)"
-_UNTRACKED_REASON = "built outside graphprune.track(); PyTorch holds its saved tensors"
+_UNTRACKED_REASON = (
+    "built outside graphprune.track() (or under saved-tensor hooks that keep tensors); "
+    "PyTorch or those hooks hold its saved tensors"
+)
 
 
 def as_outputs(value, call: str, arg: str) -> list[torch.Tensor]:

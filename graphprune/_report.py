@@ -21,9 +21,9 @@ def unique_bytes(handles: list[SavedHandle], spans: dict | None = None) -> int:
     largest: dict[int, int] = {}
     for h in handles:
         if spans is None:
-            key, nbytes = storage_of(h.tensor)
+            key, nbytes = storage_of(h)
         else:
-            key, nbytes = spans.get(h) or spans.setdefault(h, storage_of(h.tensor))
+            key, nbytes = spans.get(h) or spans.setdefault(h, storage_of(h))
         largest[key] = max(nbytes, largest.get(key, 0))
     return sum(largest.values())
 
@@ -33,7 +33,7 @@ def exclusive_bytes(handles: list[SavedHandle]) -> int:
     by_storage: dict[int, list[SavedHandle]] = collections.defaultdict(list)
     sizes: dict[int, int] = {}
     for h in handles:
-        key, nbytes = storage_of(h.tensor)
+        key, nbytes = storage_of(h)
         sizes[key] = max(nbytes, sizes.get(key, 0))
         by_storage[key].append(h)
     return sum(sizes[key] for key, group in by_storage.items() if not _held_elsewhere(group))
@@ -48,10 +48,13 @@ def _held_elsewhere(group: list[SavedHandle]) -> bool:
         mine = sum(h.tensor is t for h in group)
         if sys.getrefcount(t) - mine - 3 > 0:  # 3: the dict, the loop, getrefcount's argument
             return True
+    # a view's storage_of made the storage's Python object, which the storage keeps: one use
+    wrapped = any(h.view for h in group)
     try:
-        return torch._C._storage_Use_Count(torch._C._storage_address(group[0].tensor)) - len(tensors) > 0
+        uses = torch._C._storage_Use_Count(torch._C._storage_address(group[0].tensor))
     except (RuntimeError, NotImplementedError):  # sparse, nested
         return False
+    return uses - len(tensors) - wrapped > 0
 
 
 @dataclass(frozen=True)

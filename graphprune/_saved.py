@@ -16,22 +16,26 @@ from __future__ import annotations
 
 import torch
 
-from ._marks import GUARDED
-from ._zero import placeholder
+from ._marks import node_name
+from ._zero import in_zero_pass, placeholder
 from .errors import InplaceModifiedError, ReleasedTensorError, released_message
 
 __all__ = ["SavedHandle", "pack", "storage_of"]
 
 
-def storage_of(t: torch.Tensor) -> tuple[int, int]:
-    """Return ``(key, nbytes)`` of the storage behind ``t``: the key is the storage's
-    address (unique while it lives), the bytes those that ``t`` spans in it.
+def storage_of(h: SavedHandle) -> tuple[int, int]:
+    """Return ``(key, nbytes)`` of the storage behind a live handle's tensor; the key
+    is the storage's address, unique while it lives.
 
-    ``t.untyped_storage()`` would be exact for a view of a larger storage, but its
-    Python object is kept alive by the storage: one more object per saved tensor for
-    the garbage collector to walk (DESIGN.md fact 14), for as long as the graph lives.
+    A tensor that is no view owns its storage, whose bytes are those it spans; only a
+    view asks ``untyped_storage()``, whose Python object the storage then keeps alive
+    for as long as it lives: one more object for the garbage collector to walk
+    (DESIGN.md fact 14), not worth paying for every saved tensor.
     """
+    t = h.tensor
     try:
+        if h.view:
+            return torch._C._storage_address(t), t.untyped_storage().nbytes()
         if t.is_contiguous():
             return torch._C._storage_address(t), t.storage_offset() * t.element_size() + t.nbytes
         span = t.storage_offset() + sum((n - 1) * s for n, s in zip(t.shape, t.stride())) + 1
@@ -49,13 +53,14 @@ class SavedHandle:
     has no ``grad_fn``, so it is held as it is: no new object in the forward.
     """
 
-    __slots__ = ("tensor", "version", "tape", "leaf", "released_by", "meta", "__weakref__")
+    __slots__ = ("tensor", "version", "tape", "leaf", "view", "released_by", "meta", "__weakref__")
 
-    def __init__(self, tensor: torch.Tensor, version: int, tape: int, leaf: bool):
+    def __init__(self, tensor: torch.Tensor, version: int, tape: int, leaf: bool, view: bool):
         self.tensor: torch.Tensor | None = tensor
         self.version = version
         self.tape = tape
         self.leaf = leaf  # a parameter or an input: pruning never frees its storage
+        self.view = view  # of a storage that may be larger than what it spans
 
     @property
     def released(self) -> bool:
@@ -74,9 +79,9 @@ class SavedHandle:
         t = self.tensor
         if t is None:
             node = torch._C._current_autograd_node()
-            if node is not None and GUARDED in node.metadata:
+            if node is not None and in_zero_pass(node):
                 return placeholder(*self.meta)  # NOTE [ Zero-gradient passes through released nodes ]
-            raise ReleasedTensorError(released_message(_name(node), self.released_by))
+            raise ReleasedTensorError(released_message(node_name(node), self.released_by))
         if t._version != self.version:
             raise InplaceModifiedError(self._inplace_message(t))
         return t
@@ -85,7 +90,7 @@ class SavedHandle:
         return (
             "graphprune: one of the variables needed for gradient computation has been "
             f"modified by an inplace operation: [{_describe(t)}], saved by "
-            f"{_name(torch._C._current_autograd_node())}, is at version {t._version}; "
+            f"{node_name(torch._C._current_autograd_node())}, is at version {t._version}; "
             f"expected version {self.version} instead. Hint: PyTorch skips this check while "
             "saved-tensor hooks are set; graphprune restores it. Clone the tensor before "
             "modifying it in place."
@@ -95,12 +100,8 @@ class SavedHandle:
 def pack(t: torch.Tensor, tape: int) -> SavedHandle:
     """The handle for ``t``, saved under tape ``tape``; see NOTE [ What the forward pays ]."""
     if t.is_leaf:
-        return SavedHandle(t, t._version, tape, True)
-    return SavedHandle(t.detach(), t._version, tape, False)
-
-
-def _name(node) -> str:
-    return node.name() if node is not None else "an autograd node"
+        return SavedHandle(t, t._version, tape, True, t._is_view())
+    return SavedHandle(t.detach(), t._version, tape, False, t._is_view())
 
 
 def _describe(t: torch.Tensor) -> str:

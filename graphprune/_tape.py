@@ -12,7 +12,7 @@ import torch
 from torch.overrides import TorchFunctionMode
 
 from . import _outputs
-from ._graph import file_strays
+from ._graph import attach_hidden, children
 from ._saved import SavedHandle, pack
 
 __all__ = ["Tape", "track"]
@@ -113,10 +113,12 @@ def _note_safely(out, args) -> None:
 
 def _drop_own_frames(out) -> None:
     for t in out if isinstance(out, (tuple, list)) else (out,):
-        if isinstance(t, _Tensor) and t.grad_fn is not None:
-            stack = t.grad_fn.metadata.get("traceback_")
+        fn = t.grad_fn if isinstance(t, _Tensor) else None
+        if fn is not None:
+            children(fn)  # a wrapper made in the forward: NOTE [ Deep graphs and Python wrappers ]
+            stack = fn.metadata.get("traceback_")
             if stack:
-                t.grad_fn.metadata["traceback_"] = [f for f in stack if _OWN_FILE not in f]
+                fn.metadata["traceback_"] = [f for f in stack if _OWN_FILE not in f]
 
 
 def _note_call(out, args) -> None:
@@ -145,8 +147,9 @@ def _note_unseen(t: torch.Tensor) -> None:
     """``t`` has a ``grad_fn`` that no torch call under a tape made: made under a tape
     (a custom ``Function``'s output), it protects its graph; made before, it does not."""
     tapes = _open_tapes()
-    first = tapes[0].first_seq if tapes else None
-    _outputs.note((t,), ours=first is not None and t.grad_fn._sequence_nr() >= first)
+    fn = t.grad_fn
+    children(fn)  # a wrapper made in the forward: NOTE [ Deep graphs and Python wrappers ]
+    _outputs.note((t,), ours=bool(tapes) and fn._sequence_nr() >= tapes[0].first_seq)
 
 
 def _call_inplace_on_view(func, args, kwargs):
@@ -164,11 +167,13 @@ def _call_inplace_on_view(func, args, kwargs):
             packed.append(h)
             return h
 
-        first = torch._C._autograd._get_sequence_nr()
         with torch.autograd.graph.saved_tensors_hooks(collect, SavedHandle.unpack):
             out = func(*args, **kwargs)
         if packed and out is args[0]:
-            file_strays(packed, range(first, torch._C._autograd._get_sequence_nr()))
+            with _NoSubclassDispatch():
+                node = out._base.grad_fn
+            if node is not None and node.name().endswith("CopySlices"):
+                attach_hidden(node, packed)
     _note_safely(out, args)
     return out
 

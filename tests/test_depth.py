@@ -33,3 +33,48 @@ print(json.dumps(dict(explained=explained.released_node_count, pruned=report.rel
     assert out["explained"] == out["pruned"] == 100_000
     assert out["nodes"] == 200_002  # w * 1.0, 2 x 100k ops, AccumulateGrad
     assert out["grad"][0] > 0
+
+
+def test_deep_chain_through_scripted_functions_tears_down():
+    # the recorder reads grad_fn of the scripted function's outputs, which it never saw made
+    out = run_script(
+        """
+import json, torch, graphprune as gp
+
+@torch.jit.script
+def step(x):
+    return x * 1.0001
+
+w = torch.randn(4, requires_grad=True)
+with gp.track():
+    x = w * 1
+    for _ in range(100_000):
+        x = step(x)
+        x = x + 0
+    y = x.sum()
+del x, y
+print(json.dumps(dict(ok=True)))
+""",
+        timeout=600,
+    )
+    assert out["ok"]
+
+
+def test_deep_chain_under_anomaly_mode_tears_down():
+    # anomaly mode: the recorder reads grad_fn of each output to trim its own frame
+    out = run_script(
+        """
+import json, torch, graphprune as gp
+torch.autograd.set_detect_anomaly(True, check_nan=False)
+w = torch.randn(4, requires_grad=True)
+with gp.track():
+    x = w * 1
+    for _ in range(100_000):
+        x = x * 1.0001
+    y = x.sum()
+del x, y
+print(json.dumps(dict(ok=True)))
+""",
+        timeout=600,
+    )
+    assert out["ok"]
