@@ -82,9 +82,14 @@ def reach(roots, through_released: bool = True) -> dict[Node, int]:
     With ``through_released=False`` the walk stops at nodes that lost saved tensors:
     a pass that reaches one with a non-zero gradient raises, so nothing behind it
     can be used that way (a zero-gradient pass needs nothing kept).
+
+    A walk of fewer than ``DEEP`` nodes reads ``next_functions`` and leaves nothing on
+    the nodes: no chain it wrapped can be longer than the walk. A longer walk caches
+    every node's children (NOTE [ Deep graphs and Python wrappers ]).
     """
     out: dict = {}
     queue: collections.deque = collections.deque()
+    kids_of = _next
     with LOCK:
         for i, node in enumerate(roots):
             if node is not None and node not in out and (through_released or RELEASED not in node.metadata):
@@ -93,14 +98,26 @@ def reach(roots, through_released: bool = True) -> dict[Node, int]:
         while queue:
             node = queue.popleft()
             label = out[node]
-            kids = node.metadata.get(_CHILDREN)
-            if type(kids) is not tuple:
-                kids = children(node) if kids is None else (kids,)
-            for child in kids:
+            for child in kids_of(node):
                 if child not in out and (through_released or RELEASED not in child.metadata):
                     out[child] = label
                     queue.append(child)
+            if kids_of is _next and len(out) >= DEEP:
+                kids_of = children
+                for walked in out:
+                    children(walked)
     return out
+
+
+DEEP = 4096  # a chain of 20k wrapped nodes was torn down safely (DESIGN.md fact 12)
+
+
+def _next(node) -> tuple:
+    """``node``'s children: the cached ones, or read from ``next_functions``."""
+    kids = node.metadata.get(_CHILDREN)
+    if kids is None:
+        return tuple(filter(None, map(_first, node.next_functions)))
+    return kids if type(kids) is tuple else (kids,)
 
 
 def walk(roots) -> list:
