@@ -16,7 +16,7 @@ import weakref
 
 import torch
 
-__all__ = ["Output", "note", "live", "output_of", "describe"]
+__all__ = ["Output", "note", "note_one", "live", "output_of", "describe"]
 
 _TORCH_DIR = os.path.dirname(torch.__file__)
 _OWN_DIR = os.path.dirname(__file__)
@@ -47,44 +47,22 @@ _compacting = threading.Lock()
 _library_code: dict = {}  # code object -> inside torch or graphprune
 
 
-def _user_frame():
-    """The first frame outside torch and graphprune, or ``None`` (a TorchScript fork's
-    interop thread has no Python frame at all)."""
-    try:
-        frame = sys._getframe(2)
-    except ValueError:
-        return None
-    while frame is not None:
-        code = frame.f_code
-        inside = _library_code.get(code)
-        if inside is None:
-            inside = _library_code[code] = code.co_filename.startswith((_TORCH_DIR, _OWN_DIR))
-        if not inside:
-            return frame
-        frame = frame.f_back
-    return None
-
-
 def note(tensors, ours: bool = True) -> None:
-    """Note ``tensors`` (made by the caller's caller) as live outputs."""
-    frame = _user_frame() if ours else None
-    code = None if frame is None else frame.f_code
-    lasti = -1 if not ours else 0 if frame is None else frame.f_lasti
+    """Note ``tensors`` as live outputs; ``ours=False`` for tensors made before any
+    tape opened, noted only so that they are not looked at again."""
     for t in tensors:
-        if weakref.getweakrefcount(t) and output_of(t) is not None:
-            continue
-        ref = Output(t)
-        ref.code = code
-        ref.lasti = lasti
-        _outputs.append(ref)
-    if len(_outputs) > _limit[0]:
-        _compact()
-        _limit[0] = max(1 << 16, 2 * len(_outputs))
+        if ours:
+            note_one(t)
+        elif not weakref.getweakrefcount(t) or output_of(t) is None:
+            ref = Output(t)
+            ref.code, ref.lasti = None, -1
+            _append(ref)
 
 
 def note_one(t: torch.Tensor) -> None:
-    """:func:`note` for one tensor made by a torch call, the recorder's common case,
-    with the frame walk inlined (a function call less per torch call)."""
+    """Note ``t``, made by a torch call under a tape, with the user's frame that made
+    it: the first one outside torch and graphprune (none in a TorchScript fork's
+    interop thread). This runs for every torch call."""
     if weakref.getweakrefcount(t) and output_of(t) is not None:  # an op that returned its
         return  # input (in place, ``contiguous()``): noted once, however often
     try:
@@ -104,6 +82,10 @@ def note_one(t: torch.Tensor) -> None:
         ref.code, ref.lasti = None, 0
     else:
         ref.code, ref.lasti = frame.f_code, frame.f_lasti
+    _append(ref)
+
+
+def _append(ref: Output) -> None:
     _outputs.append(ref)
     if len(_outputs) > _limit[0]:
         _compact()
