@@ -316,17 +316,20 @@ def test_branch_node_below_a_kept_node_is_hooked_and_guarded():
     assert_close(run(True), run(False))
 
 
-def test_copy_slices_handles_stay_with_their_own_thread_graph():
-    def build():
-        w = torch.randn(4, requires_grad=True)
-        v = torch.randn(2, requires_grad=True)
-        with gp.track():
-            x = w.exp()
-            h = x * 1
-            h[0:2].mul_(v)
-            y = (h * 3).sum()
-        return x, h, y
+def _mul_into_a_view():
+    """``x`` and ``y = (h * 3).sum()``, where ``h[0:2].mul_(v)`` hid a node in a CopySlices."""
+    w = torch.randn(4, requires_grad=True)
+    v = torch.randn(2, requires_grad=True)
+    with gp.track():
+        x = w.exp()
+        h = x * 1
+        h[0:2].mul_(v)
+        y = (h * 3).sum()
+    return x, h, y
 
+
+def test_copy_slices_handles_stay_with_their_own_thread_graph():
+    build = _mul_into_a_view
     first, second, pruned = threading.Event(), threading.Event(), threading.Event()
     graphs, errors = {}, []
 
@@ -392,13 +395,7 @@ def test_nonzero_gradient_into_released_node_raises_before_its_kernel():
 
 
 def test_released_copy_slices_is_named_without_namespace():
-    w = torch.randn(8, requires_grad=True)
-    v = torch.randn(4, requires_grad=True)
-    with gp.track():
-        x = w.exp()
-        h = x * 1
-        h[0:4].mul_(v)
-        y = h.sum()
+    x, _, y = _mul_into_a_view()
     gp.backward(y, keep=x)
     with pytest.raises(gp.ReleasedTensorError, match="saved tensor of CopySlices that"):
         y.backward()
