@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import functools
 import itertools
+import sys
 import threading
+import types
 from weakref import getweakrefcount
 
 import networkx as nx
@@ -19,6 +21,7 @@ __all__ = ["Tape", "track"]
 
 _tape_ids = itertools.count(1)
 _OWN_FILE = f'"{__file__}"'
+_CALL_NAME = ", in _graphprune_call\n"
 _NoSubclassDispatch = torch._C.DisableTorchFunctionSubclass
 _is_compiling = torch.compiler.is_compiling
 _anomaly_enabled = torch.is_anomaly_enabled
@@ -70,7 +73,7 @@ class _OutputRecorder(TorchFunctionMode):
             inplace = _inplace_funcs[func] = _is_inplace(func)
         if inplace and args and isinstance(args[0], _Tensor) and _is_view(args[0]):
             return _call_inplace_on_view(func, args, kwargs)
-        out = func(*args, **kwargs)
+        out = _as_caller(func, args, kwargs)
         if type(out) is _Tensor:  # the common case, inlined: this runs for every torch call
             try:
                 if not out.is_leaf:
@@ -88,6 +91,47 @@ class _OutputRecorder(TorchFunctionMode):
         else:
             _note_safely(out, args)
         return out
+
+
+def _as_caller(func, args, kwargs):
+    """``func(*args, **kwargs)``, called from a frame that looks like the torch call's caller.
+
+    NOTE [ Warnings at the caller's line ]
+    Python attributes a warning raised inside a torch call to the innermost Python
+    frame: under a ``TorchFunctionMode`` that is the mode's, not the caller's, which
+    changes every warning's file, line, module and once-per-location registry. So the
+    call goes through a two-line function compiled as if it stood at the caller's
+    line, in the caller's file, with the caller's globals (module and registry): the
+    warning is filed exactly where plain PyTorch files it. One function per call
+    site, made once. A torch function written in Python (``F.softmax``) reaches the
+    mode through ``handle_torch_function``: its caller is two frames further out.
+    """
+    try:
+        frame = sys._getframe(2)
+    except ValueError:  # no Python caller: a TorchScript fork's interop thread
+        return func(*args, **kwargs)
+    if frame.f_code is _HANDLE_TORCH_FUNCTION and frame.f_back is not None:
+        frame = frame.f_back.f_back or frame
+    key = (frame.f_code, frame.f_lineno)
+    call = _call_sites.get(key)
+    if call is None:
+        if len(_call_sites) > 65536:  # generated code (torch.fx, exec) makes ever new sites
+            _call_sites.clear()
+        line = max(2, key[1] or frame.f_code.co_firstlineno)
+        code = _CALL_CODE.replace(co_filename=frame.f_code.co_filename, co_firstlineno=line - 1)
+        call = _call_sites[key] = types.FunctionType(code, frame.f_globals, _CALL_CODE.co_name)
+    return call(func, args, kwargs)
+
+
+def _call_code() -> types.CodeType:
+    source = "def _graphprune_call(func, args, kwargs):\n    return func(*args, **kwargs)\n"
+    module = compile(source, "<graphprune>", "exec")
+    return next(c for c in module.co_consts if isinstance(c, types.CodeType))
+
+
+_CALL_CODE = _call_code()
+_HANDLE_TORCH_FUNCTION = torch.overrides.handle_torch_function.__code__
+_call_sites: dict = {}  # (code, line) of a caller -> its _graphprune_call
 
 
 def _is_view(t: torch.Tensor) -> bool:
@@ -118,7 +162,7 @@ def _drop_own_frames(out) -> None:
             children(fn)  # a wrapper made in the forward: NOTE [ Deep graphs and Python wrappers ]
             stack = fn.metadata.get("traceback_")
             if stack:
-                fn.metadata["traceback_"] = [f for f in stack if _OWN_FILE not in f]
+                fn.metadata["traceback_"] = [f for f in stack if _OWN_FILE not in f and _CALL_NAME not in f]
 
 
 def _note_call(out, args) -> None:

@@ -912,38 +912,34 @@ def test_disable_saved_tensors_hooks_refuses_track():
     assert tracked.error == (RuntimeError, "no saved-tensor hooks here")
 
 
-# Inherent: a warning raised inside a torch call is attributed to the innermost Python
-# frame, which under track() is the output recorder's __torch_function__ (README, Limits).
-
-
-def _warning_locations(fn):
-    plain, tracked = runs(fn)
-    assert tracked.error == plain.error
-    assert_same(plain.value, tracked.value)
-    return plain.warnings, tracked.warnings
-
-
-def test_warning_location_copy_construct_is_the_recorders():
+def test_warning_location_copy_construct():
     def fn():
         t = torch.ones(2)
         a = torch.tensor(t)
         b = torch.tensor(t)
         return a, b
 
-    plain, tracked = _warning_locations(fn)
+    got = both(fn).warnings  # two lines: "default" shows the warning once per line
     lines = [first_line(fn) + 2, first_line(fn) + 3]
-    assert [(w[0], w[2], w[3]) for w in plain] == [(UserWarning, HERE, line) for line in lines]
-    # one location for both calls: "default" deduplication shows the warning once
-    assert [(w[0], w[1], w[2]) for w in tracked] == [(UserWarning, plain[0][1], "_tape.py")]
+    assert [(w[0], w[2], w[3]) for w in got] == [(UserWarning, HERE, line) for line in lines]
+    assert all("To copy construct from a tensor" in w[1] for w in got)
 
 
-def test_warning_location_non_leaf_grad_is_the_recorders():
+def test_warning_location_non_leaf_grad():
     def fn():
         x = torch.randn(3, requires_grad=True)
         y = x * 2
         g = y.grad  # a non-leaf's .grad warns (a UserWarning from C++)
         return g
 
-    plain, tracked = _warning_locations(fn)
-    assert [(w[0], w[2], w[3]) for w in plain] == [(UserWarning, HERE, first_line(fn) + 3)]
-    assert [(w[0], w[1], w[2]) for w in tracked] == [(UserWarning, plain[0][1], "_tape.py")]
+    got = both(fn).warnings
+    assert [(w[0], w[2], w[3]) for w in got] == [(UserWarning, HERE, first_line(fn) + 3)]
+
+
+def test_warning_from_a_python_torch_function_keeps_its_stacklevel():
+    def fn():
+        x = torch.randn(2, 3, requires_grad=True)
+        return torch.nn.functional.softmax(x)  # no dim: a Python warning, stacklevel=3
+
+    got = both(fn).warnings  # same file and line as plain, whichever frame that is
+    assert [w[0] for w in got] == [UserWarning] and "softmax" in got[0][1]
