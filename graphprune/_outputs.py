@@ -9,14 +9,18 @@ batches, when the list has doubled and at each prune.
 
 from __future__ import annotations
 
+import functools
 import os
 import sys
 import threading
 import weakref
 
 import torch
+from torch.autograd.graph import Node
 
-__all__ = ["Output", "note", "note_one", "live", "output_of", "describe"]
+from ._marks import FINISHED
+
+__all__ = ["Output", "note", "note_one", "live", "live_roots", "output_of", "describe"]
 
 _TORCH_DIR = os.path.dirname(torch.__file__)
 _OWN_DIR = os.path.dirname(__file__)
@@ -125,3 +129,24 @@ def describe(t: torch.Tensor) -> str:
         text += f", created at {ref.where()}"
     return text
 
+
+def _live_text(t: torch.Tensor) -> str:
+    return f"still reachable from the live {describe(t)}"
+
+
+def live_roots(exclude=(), finished: bool = False) -> list[tuple[Node, object]]:
+    """``(grad_fn, description or a callable that makes it)`` of each live tracked
+    tensor not in ``exclude`` that still protects something: its graph is found
+    through its current ``grad_fn`` (in-place ops move it), and an output already
+    pruned (its node finished) protects nothing (``finished=True`` lists those too)."""
+    out = []
+    for t in live():
+        if any(t is e for e in exclude):
+            continue
+        try:
+            fn = t.grad_fn
+        except RuntimeError:  # a view made under no_grad and modified in place
+            continue
+        if fn is not None and (finished or FINISHED not in fn.metadata):
+            out.append((fn, functools.partial(_live_text, t)))  # formatted only if reported
+    return out

@@ -12,6 +12,7 @@ from torch.autograd.graph import Node
 from . import _outputs
 from ._graph import FOREIGN, UNTRACKED, name, reach, saved
 from ._marks import FINISHED, RELEASED
+from ._outputs import live_roots
 from ._report import KeptReason, PruneReport, exclusive_bytes, unique_bytes
 from ._saved import SavedHandle
 from ._zero import guard_released
@@ -62,28 +63,6 @@ def _keep_roots(keep, call: str) -> list[tuple[Node, str]]:
     return roots
 
 
-def _live_text(t: torch.Tensor) -> str:
-    return f"still reachable from the live {_outputs.describe(t)}"
-
-
-def live_roots(exclude=(), finished: bool = False) -> list[tuple[Node, object]]:
-    """``(grad_fn, description or a callable that makes it)`` of each live tracked
-    tensor not in ``exclude`` that still protects something: its graph is found through
-    its current ``grad_fn`` (in-place ops move it), and an output already pruned (its node finished)
-    protects nothing (``finished=True`` lists those too)."""
-    out = []
-    for t in _outputs.live():
-        if any(t is e for e in exclude):
-            continue
-        try:
-            fn = t.grad_fn
-        except RuntimeError:  # a view made under no_grad and modified in place
-            continue
-        if fn is not None and (finished or FINISHED not in fn.metadata):
-            out.append((fn, functools.partial(_live_text, t)))  # formatted only if reported
-    return out
-
-
 class Plan:
     """The partition of the graph behind ``outputs`` into kept and released nodes.
 
@@ -102,7 +81,6 @@ class Plan:
         guards.sort(key=lambda g: g[0] not in self.reach)  # explain by nearest protector
         self.protected = reach((node for node, _ in guards), through_released=False)
         self._guard_text = [text for _, text in guards]
-        self.branch = [node for node in self.reach if node not in self.protected]
         self.roots = [t.grad_fn for t in ys if t.grad_fn not in self.protected]
         self.handles_by_node, self.report_args = self._measure()
 

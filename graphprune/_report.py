@@ -9,7 +9,9 @@ from dataclasses import dataclass, field
 import networkx as nx
 import torch
 
-from ._graph import reach
+from ._graph import TRACKED, children, name, reach, saved
+from ._marks import RELEASED
+from ._outputs import live_roots
 from ._saved import SavedHandle, storage_of
 
 __all__ = ["PruneReport", "KeptReason", "unique_bytes", "exclusive_bytes", "snapshot"]
@@ -116,10 +118,6 @@ def _fmt_bytes(n: int) -> str:
 def snapshot(tape) -> nx.DiGraph:
     """Copy the live graph of ``tape``'s forwards into a plain ``DiGraph``: the nodes
     that the live tracked tensors reach and that the tape built."""
-    from ._graph import TRACKED, children, name, saved
-    from ._marks import RELEASED
-    from ._plan import live_roots
-
     trunk = reach((node for node, _ in live_roots()), through_released=False)
     mine = {}
     for node in reach(node for node, _ in live_roots(finished=True)):
