@@ -63,13 +63,11 @@ _SCALAR_DTYPES = (torch.float64, torch.int64, torch.complex128, torch.bool)
 def children(node) -> tuple:
     """``node``'s children (wrappers), cached in its metadata on the first call: a
     lone child as itself, so that a chain costs no tuple per node."""
+    kids = _next(node)
     md = node.metadata
-    kids = md.get(_CHILDREN)
-    if kids is None:
-        kids = tuple(filter(None, map(_first, node.next_functions)))
+    if _CHILDREN not in md:
         md[_CHILDREN] = kids[0] if len(kids) == 1 else kids
-        return kids
-    return kids if type(kids) is tuple else (kids,)
+    return kids
 
 
 name = node_name
