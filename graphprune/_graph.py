@@ -54,6 +54,7 @@ __all__ = [
 _CHILDREN = "graphprune"
 _saved_names: dict[type, tuple[str, ...]] = {}
 _first = operator.itemgetter(0)
+_SavedTensor = torch._C._autograd.SavedTensor
 LOCK = threading.RLock()  # two threads may walk the same nodes
 
 TRACKED, FOREIGN, UNTRACKED = "tracked", "foreign", "untracked"
@@ -138,14 +139,24 @@ def saved(node) -> tuple[list[SavedHandle], str]:
         if attr is STRAYS:
             handles += [h for h in (r() for r in node.metadata.get(STRAYS, ())) if h is not None]
             continue
-        for packed in _packed(node, attr):
-            if type(packed) is SavedHandle:
-                if packed not in handles:
-                    handles.append(packed)
-            elif isinstance(packed, torch.Tensor):
-                if kind == TRACKED and not _maybe_wrapped_number(packed):
+        try:  # what the pack hook returned, without unpacking it
+            value = getattr(node, attr)
+            if type(value) is _SavedTensor:
+                packed = (value.data,)
+            else:  # a list of tensors (``_raw_saved_indices``, ``_raw_saved_tensors``)
+                packed = [v.data for v in value if v is not None]
+        except RuntimeError:  # freed by a pass that did not retain the graph
+            continue
+        for p in packed:
+            if type(p) is SavedHandle:
+                if p not in handles:
+                    handles.append(p)
+            elif p is None:
+                continue
+            elif isinstance(p, torch.Tensor):
+                if kind == TRACKED and not _maybe_wrapped_number(p):
                     kind = UNTRACKED
-            elif packed is not None:
+            else:
                 kind = FOREIGN
     return handles, TRACKED if handles else kind
 
@@ -159,16 +170,6 @@ def _saved_attributes(node_type: type) -> tuple[str, ...]:
 
 def live_handles(node) -> list[SavedHandle]:
     return [h for h in saved(node)[0] if h.tensor is not None]
-
-
-def _packed(node, attr: str) -> list:
-    """What the pack hook returned for ``node.<attr>``, without unpacking it."""
-    try:
-        value = getattr(node, attr)
-        items = value if isinstance(value, (tuple, list)) else (value,)
-        return [s.data for s in items if s is not None]
-    except RuntimeError:  # freed by a pass that did not retain the graph
-        return []
 
 
 def _maybe_wrapped_number(t: torch.Tensor) -> bool:
