@@ -55,8 +55,9 @@ DESCRIPTION = {
     "`retain_graph=True` but the last",
     "gp_prune": "under `graphprune.track()`: `backward(retain_graph=True)` then "
     "`graphprune.prune_after(loss, keep=x)`; plain backward for the last loss",
-    "gp_prune_auto": "as gp_prune but `prune_after(loss)` with the default `keep=None` (protect every "
-    "live tracked tensor): the held head output `y` then protects its own head",
+    "gp_prune_auto": "as gp_prune but `prune_after(loss)` with the default `keep=None` (protect the "
+    "graphs of the live outputs no pass has run through: the heads not backpropagated yet); eager "
+    "mode only, since a head built after the prune needs `keep=x`",
     "gp_backward": "under `graphprune.track()`: `graphprune.backward(loss, keep=x)` "
     "(`graphprune.grad` in pcgrad mode); plain backward for the last loss",
     "seed_2fwd_2bwd": "seed func1: `loss1(model(x)).backward(); loss2(model(x)).backward()`",
@@ -513,9 +514,9 @@ def configs(level: str) -> list[dict]:
     else:
         lazy = [(2, False), (4, True)]
     for k, unequal in lazy:
-        extra = ["gp_prune_auto"] if k == 4 else []
-        out.append(dict(workload="lazy", mode="lazy", k=k, unequal=unequal, strategies=STRATEGIES + extra))
-    out.append(dict(workload="eager", mode="eager", k=4, unequal=False, strategies=STRATEGIES))
+        out.append(dict(workload="lazy", mode="lazy", k=k, unequal=unequal, strategies=STRATEGIES))
+    out.append(dict(workload="eager", mode="eager", k=4, unequal=False,
+                    strategies=STRATEGIES + ["gp_prune_auto"]))
     out.append(dict(workload="pcgrad", mode="pcgrad", k=4, unequal=False,
                     strategies=[s for s in STRATEGIES if s != "summed"]))
     out.append(dict(workload="depth", mode="lazy", k=5, unequal=False, strategies=STRATEGIES))

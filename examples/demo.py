@@ -40,10 +40,8 @@ def step(use_graphprune: bool) -> list[tuple[str, float, float]]:
     for i, loss in enumerate(losses):
         last = i == len(losses) - 1
         freed = 0.0
-        if last:
-            feat = None  # done with the trunk: let the last pass free it too
-        if use_graphprune:
-            freed = gp.backward(loss, keep=feat).bytes_freed / MiB
+        if use_graphprune:  # no keep=: the heads not backpropagated yet keep the trunk
+            freed = gp.backward(loss).bytes_freed / MiB
         else:
             loss.backward(retain_graph=not last)
         timeline.append((f"after head {i}'s backward", rss() - base, freed))

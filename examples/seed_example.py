@@ -10,8 +10,8 @@ with gp.track() as tape:  # forward passes under graphprune's saved-tensor hooks
     x1 = x * x
     y1 = (x1 * x1).sum()
 y1.backward(retain_graph=True)
-del x1  # we are done with x -> x1 too; x stays alive
-report = gp.prune_after(y1)  # frees what only y1 can still reach; x's graph stays
+# y2 is built on x after this call: keep x's graph (the seed's "retain_graph=x")
+report = gp.prune_after(y1, keep=x)  # frees x -> x1 -> y1
 print(report)
 
 x2 = torch.sqrt(x)

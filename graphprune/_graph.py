@@ -40,7 +40,9 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from . import _routing
 from ._marks import RELEASED, STRAYS, node_name
+from ._routing import ALL
 from ._saved import SavedHandle
 
 if TYPE_CHECKING:
@@ -74,9 +76,15 @@ def children(node) -> tuple:
 name = node_name
 
 
-def reach(roots, through_released: bool = True) -> dict[Node, int]:
+def reach(roots, through_released: bool = True, supports: dict | None = None) -> dict[Node, int]:
     """Every node reachable from ``roots`` (wrappers; ``None`` skipped), breadth-first,
     each with the index of the first root that reached it.
+
+    Edges that can only carry zeros are not followed (NOTE [ Gradient routing ] in
+    ``_routing.py``): ``supports`` maps a routing node to ``{output number: support}``;
+    given, it says on which outputs (and where) the routing roots start (a routing
+    root missing from it starts on every output), and it is filled with what the walk
+    found.
 
     With ``through_released=False`` the walk stops at nodes that lost saved tensors:
     a pass that reaches one with a non-zero gradient raises, so nothing behind it
@@ -87,25 +95,72 @@ def reach(roots, through_released: bool = True) -> dict[Node, int]:
     every node's children (NOTE [ Deep graphs and Python wrappers ]).
     """
     out: dict = {}
+    sup: dict = {} if supports is None else supports
     queue: collections.deque = collections.deque()
     kids_of = _next
+    rules = _routing.BY_TYPE
     with LOCK:
         for i, node in enumerate(roots):
             if node is not None and node not in out and (through_released or RELEASED not in node.metadata):
                 out[node] = i
                 queue.append(node)
+                if node not in sup and _is_router(node):
+                    sup[node] = _routing.every_output(node)
         while queue:
             node = queue.popleft()
             label = out[node]
-            for child in kids_of(node):
-                if child not in out and (through_released or RELEASED not in child.metadata):
-                    out[child] = label
-                    queue.append(child)
+            rule = rules.get(type(node), _UNSEEN)
+            if rule is _UNSEEN:
+                rule = _routing.rule_for(type(node))
+            if rule is None:
+                for child in kids_of(node):
+                    if child not in out:
+                        if through_released or RELEASED not in child.metadata:
+                            out[child] = label
+                            queue.append(child)
+                            if _is_router(child):
+                                sup[child] = dict.fromkeys(_edge_numbers(node, child), ALL)
+                    elif child in sup and _widen_all(sup[child], _edge_numbers(node, child)):
+                        queue.append(child)
+            else:
+                if kids_of is children:
+                    children(node)
+                for child, nr, support in rule(node, sup[node]):
+                    if child not in out:
+                        if through_released or RELEASED not in child.metadata:
+                            out[child] = label
+                            queue.append(child)
+                            if _is_router(child):
+                                sup[child] = {nr: support}
+                    elif child in sup and _routing.widen(sup[child], nr, support):
+                        queue.append(child)
             if kids_of is _next and len(out) >= DEEP:
                 kids_of = children
                 for walked in out:
                     children(walked)
     return out
+
+
+_UNSEEN = object()
+
+
+def _is_router(node) -> bool:
+    rule = _routing.BY_TYPE.get(type(node), _UNSEEN)
+    if rule is _UNSEEN:
+        rule = _routing.rule_for(type(node))
+    return rule is not None
+
+
+def _edge_numbers(parent, child) -> list[int]:
+    """The outputs of ``child`` that ``parent``'s edges feed."""
+    return [nr for c, nr in parent.next_functions if c is child]
+
+
+def _widen_all(supports: dict, numbers) -> bool:
+    grew = False
+    for nr in numbers:
+        grew = _routing.widen(supports, nr, ALL) or grew
+    return grew
 
 
 DEEP = 4096  # a chain of 20k wrapped nodes was torn down safely (DESIGN.md fact 12)

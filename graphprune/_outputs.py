@@ -9,9 +9,10 @@ batches, when the list has doubled and at each prune.
 
 from __future__ import annotations
 
-import functools
 import os
+import site
 import sys
+import sysconfig
 import threading
 import weakref
 
@@ -20,10 +21,17 @@ from torch.autograd.graph import Node
 
 from ._marks import FINISHED
 
-__all__ = ["Output", "note", "note_one", "live", "live_roots", "output_of", "describe"]
+__all__ = [
+    "Output", "note", "note_one", "live", "live_graphs", "live_roots", "output_of", "describe",
+    "name_in_frames",
+]
 
 _TORCH_DIR = os.path.dirname(torch.__file__)
 _OWN_DIR = os.path.dirname(__file__)
+_LIBRARY_DIRS = tuple(sorted({
+    _TORCH_DIR, _OWN_DIR, *(p for p in (*site.getsitepackages(), site.getusersitepackages()) if p),
+    *(sysconfig.get_paths()[k] for k in ("stdlib", "platstdlib", "purelib", "platlib")),
+} - {""}))
 
 
 class Output(weakref.ref):
@@ -74,10 +82,9 @@ def note_one(t: torch.Tensor) -> None:
     except ValueError:
         frame = None
     while frame is not None:
-        code = frame.f_code
-        inside = _library_code.get(code)
+        inside = _library_code.get(frame.f_code)
         if inside is None:
-            inside = _library_code[code] = code.co_filename.startswith((_TORCH_DIR, _OWN_DIR))
+            inside = _inside_library(frame.f_code)
         if not inside:
             break
         frame = frame.f_back
@@ -87,6 +94,15 @@ def note_one(t: torch.Tensor) -> None:
     else:
         ref.code, ref.lasti = frame.f_code, frame.f_lasti
     _append(ref)
+
+
+def _inside_library(code) -> bool:
+    """Whether ``code`` belongs to torch, graphprune, an installed package or the
+    standard library: a creation site is the user's own line, not one of those."""
+    inside = _library_code.get(code)
+    if inside is None:
+        inside = _library_code[code] = code.co_filename.startswith(_LIBRARY_DIRS)
+    return inside
 
 
 def _append(ref: Output) -> None:
@@ -130,15 +146,9 @@ def describe(t: torch.Tensor) -> str:
     return text
 
 
-def _live_text(t: torch.Tensor) -> str:
-    return f"still reachable from the live {describe(t)}"
-
-
-def live_roots(exclude=(), finished: bool = False) -> list[tuple[Node, object]]:
-    """``(grad_fn, description or a callable that makes it)`` of each live tracked
-    tensor not in ``exclude`` that still protects something: its graph is found
-    through its current ``grad_fn`` (in-place ops move it), and an output already
-    pruned (its node finished) protects nothing (``finished=True`` lists those too)."""
+def live_graphs(exclude=()) -> list[tuple[Node, torch.Tensor]]:
+    """``(grad_fn, tensor)`` of each live tracked tensor not in ``exclude`` that has a
+    graph: found through its current ``grad_fn`` (in-place ops move it)."""
     out = []
     for t in live():
         if any(t is e for e in exclude):
@@ -147,6 +157,52 @@ def live_roots(exclude=(), finished: bool = False) -> list[tuple[Node, object]]:
             fn = t.grad_fn
         except RuntimeError:  # a view made under no_grad and modified in place
             continue
-        if fn is not None and (finished or FINISHED not in fn.metadata):
-            out.append((fn, functools.partial(_live_text, t)))  # formatted only if reported
+        if fn is not None:
+            out.append((fn, t))
     return out
+
+
+def live_roots(exclude=(), finished: bool = False) -> list[Node]:
+    """The ``grad_fn`` of each live tracked tensor not in ``exclude`` that still
+    protects something: an output whose graph a pruned pass ran through in full (its
+    node finished) protects nothing (``finished=True`` lists those too)."""
+    return [fn for fn, _ in live_graphs(exclude) if finished or fn.metadata.get(FINISHED) is not True]
+
+
+def name_in_frames(t: torch.Tensor, frames: int = 3) -> str | None:
+    """A name the user's code has for ``t`` right now, looked up in the locals of the
+    first ``frames`` frames outside torch and graphprune: a variable (``logits``), an
+    item or attribute of one (``losses[2]``, ``out["logits"]``, ``out.logits``,
+    ``self.loss``). ``None`` if none holds it. For messages only: it walks frames."""
+    frame = sys._getframe(1)
+    seen = 0
+    while frame is not None and seen < frames:
+        if not _inside_library(frame.f_code):
+            seen += 1
+            found = _name_in(t, frame.f_locals)
+            if found is not None:
+                return found
+        frame = frame.f_back
+    return None
+
+
+def _name_in(t: torch.Tensor, local_vars) -> str | None:
+    items = list(local_vars.items())
+    for name, value in items:
+        if value is t:
+            return name
+    for name, value in items:
+        if isinstance(value, (list, tuple)):
+            for i, v in enumerate(value):
+                if v is t:
+                    return f"{name}[{i}]"
+        elif isinstance(value, dict):
+            for key, v in value.items():
+                if v is t:
+                    as_attr = isinstance(key, str) and getattr(value, key, None) is t  # ModelOutput
+                    return f"{name}.{key}" if as_attr else f"{name}[{key!r}]"
+        elif hasattr(value, "__dict__") and not isinstance(value, (torch.Tensor, type)):
+            for attr, v in vars(value).items():
+                if v is t:
+                    return f"{name}.{attr}"
+    return None

@@ -5,15 +5,16 @@ from __future__ import annotations
 
 import collections
 import functools
+import weakref
 
 import torch
 from torch.autograd.graph import Node
 
 from . import _outputs
-from ._graph import FOREIGN, UNTRACKED, name, reach, saved
+from ._graph import FOREIGN, UNTRACKED, _is_router, name, reach, saved
 from ._marks import FINISHED, RELEASED
-from ._outputs import live_roots
 from ._report import KeptReason, PruneReport, exclusive_bytes, unique_bytes
+from ._routing import ALL, NOTHING, complement, index_text, merge, widen
 from ._saved import SavedHandle
 from ._zero import guard_released
 
@@ -66,21 +67,45 @@ def _keep_roots(keep, call: str) -> list[tuple[Node, str]]:
 class Plan:
     """The partition of the graph behind ``outputs`` into kept and released nodes.
 
+    NOTE [ What keep=None protects ]
+    A later backward pass starts at an output that no pass has run through yet. So
+    ``keep=None`` protects the graphs of the live tracked tensors that the pruned
+    outputs' graph does not contain (outputs nobody has backpropagated: the other
+    heads' losses, a stacked ``losses`` tensor's other entries); a live tensor inside
+    it (logits in a local, a module's ``.loss``, the trunk's output ``x``) is
+    finished, unless ``keep=`` names it, and stays finished for later prunes. Where
+    the pruned output is a slice of a live tensor (``losses[0]``), that tensor is
+    finished only on that slice (NOTE [ Gradient routing ] in ``_routing.py``).
+
     ``extra`` are tensors protected besides ``keep`` (the gradients a
     ``create_graph=True`` pass made, whose graphs lead back into the branch).
     """
 
     def __init__(self, call: str, outputs, keep, arg: str = "y", extra=()):
         ys = self.outputs = as_outputs(outputs, call, arg)
-        self.reason = f"{call}({', '.join(_outputs.describe(t) for t in ys)})"
         self._hooks: list = []
-        guards = live_roots(ys) if keep is None else _keep_roots(keep, call)
+        y_supports: dict = {}
+        for t in ys:
+            _start(y_supports, t, ALL)
+        self.reach = reach([t.grad_fn for t in ys], supports=y_supports)
+        self.finished, pending = _split_live(ys, self.reach, y_supports)
+        self._candidates = _candidates(self.finished, pending)
+        self.reason = Release(f"{call}({', '.join(_outputs.describe(t) for t in ys)})", self._candidates)
+        if keep is None:
+            guards = [(fn, functools.partial(_pending_text, t, part)) for fn, _, part, t in pending]
+            starts = [(fn, nr, support) for fn, nr, support, _ in pending]
+        else:
+            guards = _keep_roots(keep, call)
+            starts = [(fn, nr, ALL) for fn, nr in _keep_outputs(keep)]
         guards += [(t.grad_fn, "the graph of a gradient made with create_graph=True")
                    for t in extra if t is not None and t.grad_fn is not None]
-        self.reach = reach([t.grad_fn for t in ys])
-        guards.sort(key=lambda g: g[0] not in self.reach)  # explain by nearest protector
-        self.protected = reach((node for node, _ in guards), through_released=False)
-        self._guard_text = [text for _, text in guards]
+        order = sorted(range(len(guards)), key=lambda i: guards[i][0] not in self.reach)  # nearest first
+        guard_supports: dict = {}
+        for fn, nr, support in starts:
+            if _is_router(fn):
+                widen(guard_supports.setdefault(fn, {}), nr, support)
+        self.protected = reach((guards[i][0] for i in order), through_released=False, supports=guard_supports)
+        self._guard_text = [guards[i][1] for i in order]
         self.roots = [t.grad_fn for t in ys if t.grad_fn not in self.protected]
         self.handles_by_node, self.report_args = self._measure()
 
@@ -157,7 +182,8 @@ class Plan:
             guard_released(node)
 
     def release(self) -> None:
-        """Release every branch handle; the branch's roots protect nothing any more."""
+        """Release every branch handle; the branch's roots, and the live tensors its
+        pass ran through that nothing protects, protect nothing any more."""
         self._disarm()
         for live in self.handles_by_node.values():
             for h in live:
@@ -165,17 +191,152 @@ class Plan:
         self._mark_released(self.handles_by_node, self.reason)
         for node in self.roots:
             node.metadata[FINISHED] = True
+        for fn, nr, support, _ in self.finished:
+            if support is ALL:
+                if fn not in self.protected:
+                    fn.metadata[FINISHED] = True
+            else:
+                done = fn.metadata.get(FINISHED)
+                if done is not True:
+                    done = dict(done or {})
+                    widen(done, nr, support)
+                    fn.metadata[FINISHED] = done
 
     def abandon(self) -> None:
         """The pass raised: keep what it had not used, and say where the rest went."""
         self._disarm()
-        reason = f"{self.reason}, whose pass raised before it finished"
+        reason = Release(f"{self.reason}, whose pass raised before it finished", self._candidates)
         ran = [node for node, live in self.handles_by_node.items() if any(h.released for h in live)]
         for node in ran:
             for h in self.handles_by_node[node]:
                 if h.released:
                     h.released_by = reason
         self._mark_released(ran, reason)
+
+
+def _start(supports: dict, t: torch.Tensor, support) -> None:
+    """Start a walk at ``t``'s output of its ``grad_fn``, with ``support``."""
+    fn = t.grad_fn
+    if _is_router(fn):
+        widen(supports.setdefault(fn, {}), t.output_nr, support)
+
+
+def _split_live(ys, reached: dict, supports: dict) -> tuple[list, list]:
+    """The live tracked tensors (``ys`` aside) as ``(grad_fn, output number, support,
+    tensor)``: those the walk from ``ys`` ran through, with the support it took
+    (finished there), and those it did not or not wholly, with what is left of
+    them (pending)."""
+    finished, pending = [], []
+    for fn, t in _outputs.live_graphs(ys):
+        done = fn.metadata.get(FINISHED)
+        if done is True:
+            continue
+        nr = t.output_nr
+        if fn not in reached:
+            now = NOTHING
+        elif fn in supports:
+            now = supports[fn].get(nr, NOTHING)
+        else:
+            now = ALL
+        if now != NOTHING:
+            finished.append((fn, nr, now, t))
+        before = done.get(nr, NOTHING) if done else NOTHING
+        total = merge(before, now)
+        left = complement(total, t.shape[total[0]] if total else 0)
+        if left != NOTHING:
+            pending.append((fn, nr, left, t))
+    return finished, pending
+
+
+def _pending_text(t: torch.Tensor, part) -> str:
+    """``loss2 (tensor of shape (), ..., created at train.py:31), not backpropagated yet``."""
+    name = _outputs.name_in_frames(t)
+    if name is not None:
+        what = index_text(name, part, t.shape[part[0]] if part else 0)
+    else:
+        what = "the live tensor" if part is ALL else "entries of the live tensor"
+    return f"{what} ({_outputs.describe(t)}), not backpropagated yet"
+
+
+def _keep_outputs(keep) -> list[tuple[Node, int]]:
+    items = list(keep) if isinstance(keep, (list, tuple)) else [keep]
+    out = []
+    for k in items:
+        if isinstance(k, torch.Tensor) and k.grad_fn is not None:
+            out.append((k.grad_fn, k.output_nr))
+    return out
+
+
+def _candidates(finished: list, pending: list) -> list:
+    """``(tensor, part, finished)`` of each live tensor a later pass may start from: the
+    part that was pending, or the whole tensor if this call finished it."""
+    out = {id(t): (t, part, False) for _, _, part, t in pending}
+    for _, _, _, t in finished:
+        out.setdefault(id(t), (t, ALL, True))
+    return list(out.values())
+
+
+class Release:
+    """Why handles were released: the call, as text, and the live tensors a later
+    pass may have started from, to name in the error that pass meets."""
+
+    __slots__ = ("text", "_candidates")
+
+    def __init__(self, text: str, candidates: list) -> None:
+        self.text = text
+        self._candidates = [(weakref.ref(t), part, done) for t, part, done in candidates]
+
+    def __str__(self) -> str:
+        return self.text
+
+    def __add__(self, other: str) -> str:
+        return self.text + other
+
+    def hint(self, node) -> str | None:
+        """What ``keep=`` would have kept ``node``: of the live tensors whose graph
+        reaches it, one that no pass had run through (a later pass more likely starts
+        there), nearest to it."""
+        best = None
+        for ref, part, done in self._candidates:
+            t = ref()
+            if t is None or node is None:
+                continue
+            found = _part_reaching(t, part, node)
+            if found is not None and (best is None or (done, found[0]) < (best[3], best[0])):
+                best = (found[0], t, found[1], done)
+        if best is None:
+            return None
+        _, t, part, done = best
+        name = _outputs.name_in_frames(t) or "x"
+        what = index_text(name, part, t.shape[part[0]] if part else 0)
+        why = " (the pass it followed had run through it)" if done else ""
+        return (
+            f"The graph of {what} ({_outputs.describe(t)}) reaches this node, and that call "
+            f"did not keep it{why}. Pass keep={what} to that call if a later backward pass "
+            "starts from it (graphprune's retain_graph=x)."
+        )
+
+
+def _part_reaching(t: torch.Tensor, part, node):
+    """``(size of the walk, support)`` of what of ``part`` of ``t`` has a graph that
+    reaches ``node``, or ``None``."""
+    fn = t.grad_fn
+    if fn is None:
+        return None
+    router = _is_router(fn)
+    pieces = [part] if part is ALL or not router else [(part[0], frozenset((i,))) for i in sorted(part[1])]
+    hits, size = [], 0
+    for piece in pieces:
+        walked = reach([fn], supports={fn: {t.output_nr: piece}} if router else None)
+        if node in walked:
+            hits.append(piece)
+            size = max(size, len(walked))
+    if not hits:
+        return None
+    merged = hits[0]
+    for piece in hits[1:]:
+        merged = merge(merged, piece)
+    return size, merged
 
 
 def _note_task(task: list, grad_outputs) -> None:

@@ -39,15 +39,18 @@ def prune_after(y: torch.Tensor | Sequence[torch.Tensor], keep=None) -> PruneRep
     """Release the saved tensors that only ``y``'s branch of the graph still needs.
 
     A node's saved tensors are released when ``y`` reaches it and no protected root
-    does. ``keep=None`` protects every other tensor created under
-    :func:`~graphprune.track` that the program still holds; ``keep=`` (a tensor, a
-    ``grad_fn`` node or a sequence of them) protects exactly those. Call it after
-    ``y``'s backward pass (``.backward(retain_graph=True)`` or
-    ``torch.autograd.grad``); it is idempotent and works after the ``with`` block.
+    does. ``keep=None`` protects the graphs of the live tensors created under
+    :func:`~graphprune.track` that ``y``'s graph does not contain (outputs no pass has
+    run through yet: the other heads' losses); a live tensor inside it is finished.
+    ``keep=`` (a tensor, a ``grad_fn`` node or a sequence of them) protects exactly
+    those: ``keep=x`` for a head built on ``x`` after this call. Call it after ``y``'s
+    backward pass (``.backward(retain_graph=True)`` or ``torch.autograd.grad``); it
+    works after the ``with`` block.
 
     Args:
         y: the finished output, or a sequence of them.
-        keep: what must stay differentiable; ``None`` for every live tracked tensor.
+        keep: what must stay differentiable; ``None`` for the outputs not
+            backpropagated yet.
 
     Returns:
         A :class:`PruneReport` of what was released and kept, and why.
@@ -61,13 +64,14 @@ def prune_after(y: torch.Tensor | Sequence[torch.Tensor], keep=None) -> PruneRep
         >>> import torch, graphprune as gp
         >>> w = torch.ones(4, requires_grad=True)
         >>> with gp.track():
-        ...     x = w + 10
+        ...     x = w.exp()
         ...     y1 = (x * x).sum()
+        ...     y2 = x.sqrt().sum()
         >>> y1.backward(retain_graph=True)
-        >>> report = gp.prune_after(y1)         # x is alive, so its graph stays
+        >>> report = gp.prune_after(y1)         # y2 is not backpropagated yet: x's graph stays
         >>> report.released_nodes
         {'MulBackward0': 1}
-        >>> x.sqrt().sum().backward()
+        >>> y2.backward()
         >>> y1.backward()
         Traceback (most recent call last):
         ...

@@ -118,9 +118,9 @@ def _fmt_bytes(n: int) -> str:
 def snapshot(tape) -> nx.DiGraph:
     """Copy the live graph of ``tape``'s forwards into a plain ``DiGraph``: the nodes
     that the live tracked tensors reach and that the tape built."""
-    trunk = reach((node for node, _ in live_roots()), through_released=False)
+    trunk = reach(live_roots(), through_released=False)
     mine = {}
-    for node in reach(node for node, _ in live_roots(finished=True)):
+    for node in reach(live_roots(finished=True)):
         handles, kind = saved(node)
         if tape.owns(node, handles, kind):
             mine[node] = (handles, kind)

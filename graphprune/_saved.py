@@ -81,7 +81,7 @@ class SavedHandle:
             node = torch._C._current_autograd_node()
             if node is not None and in_zero_pass(node):
                 return placeholder(*self.meta)  # NOTE [ Zero-gradient passes through released nodes ]
-            raise ReleasedTensorError(released_message(node_name(node), self.released_by))
+            raise ReleasedTensorError(released_message(node, self.released_by))
         if t._version != self.version:
             raise InplaceModifiedError(self._inplace_message(t))
         return t

@@ -15,6 +15,7 @@ from torch.overrides import TorchFunctionMode
 
 from . import _outputs
 from ._graph import attach_hidden, children
+from ._routing import stamp_setitem
 from ._saved import SavedHandle, pack
 
 __all__ = ["Tape", "track"]
@@ -68,6 +69,8 @@ class _OutputRecorder(TorchFunctionMode):
             kwargs = {}
         if _is_compiling():  # Dynamo traces this: stay out of the compiled graph
             return func(*args, **kwargs)
+        if func is _SETITEM and args and type(args[0]) is _Tensor:
+            return _call_setitem(func, args, kwargs)
         inplace = _inplace_funcs.get(func)
         if inplace is None:
             inplace = _inplace_funcs[func] = _is_inplace(func)
@@ -194,6 +197,25 @@ def _note_unseen(t: torch.Tensor) -> None:
     fn = t.grad_fn
     children(fn)  # a wrapper made in the forward: NOTE [ Deep graphs and Python wrappers ]
     _outputs.note((t,), ours=bool(tapes) and fn._sequence_nr() >= tapes[0].first_seq)
+
+
+def _call_setitem(func, args, kwargs):
+    """``target[key] = value``: stamp the index it wrote on the ``CopySlices`` it made
+    (NOTE [ Gradient routing ] in ``_routing.py``)."""
+    target = args[0]
+    before = target.grad_fn if target._base is None else _NO_STAMP
+    out = _as_caller(func, args, kwargs)
+    if before is not _NO_STAMP and len(args) > 1:
+        try:
+            stamp_setitem(target, args[1], before)
+        except RuntimeError:  # a view made under no_grad, modified in place
+            pass
+    _note_safely(out, args)
+    return out
+
+
+_SETITEM = torch.Tensor.__setitem__
+_NO_STAMP = object()
 
 
 def _call_inplace_on_view(func, args, kwargs):
@@ -334,10 +356,10 @@ def track() -> Tape:
         >>> import torch, graphprune as gp
         >>> w = torch.ones(3, requires_grad=True)
         >>> with gp.track():
-        ...     x = w + 10
+        ...     x = w.exp()
         ...     y1 = (x * x).sum()
         >>> y1.backward(retain_graph=True)
-        >>> gp.prune_after(y1).released_tensors
+        >>> gp.prune_after(y1, keep=x).released_tensors
         2
         >>> (x.sqrt().sum()).backward()   # x's graph is still there
     """

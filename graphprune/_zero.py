@@ -25,7 +25,7 @@ import threading
 
 import torch
 
-from ._marks import GUARDED, RELEASED, node_name
+from ._marks import GUARDED, RELEASED
 from .errors import ReleasedTensorError, released_message
 
 __all__ = ["guard_released", "in_zero_pass", "placeholder"]
@@ -39,7 +39,7 @@ def _zero_or_raise(grad_outputs) -> None:
     """The pre-hook of every released node."""
     node = torch._C._current_autograd_node()
     if not all(g is None or not bool(g.any()) for g in grad_outputs):
-        raise ReleasedTensorError(released_message(node_name(node), node.metadata.get(RELEASED)))
+        raise ReleasedTensorError(released_message(node, node.metadata.get(RELEASED)))
     with _lock:
         _zero_pass.add((id(node), torch._C._current_graph_task_id()))
     if _ZEROING not in node.metadata:

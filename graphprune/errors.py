@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from ._marks import node_name
+
 __all__ = ["GraphPruneError", "ReleasedTensorError", "InplaceModifiedError", "released_message"]
 
 
@@ -22,10 +24,15 @@ class InplaceModifiedError(GraphPruneError):
     """
 
 
-def released_message(node: str, released_by: str | None) -> str:
-    """The text of :class:`ReleasedTensorError` for a node and the call that released it."""
+def released_message(node, released_by) -> str:
+    """The text of :class:`ReleasedTensorError` for a node (its ``grad_fn`` wrapper, or
+    ``None``) and the call that released it (a ``Release`` that can name what to keep,
+    or text)."""
+    hint = getattr(released_by, "hint", None)
+    hint = hint(node) if hint is not None else None
     return (
-        f"graphprune: a backward pass needs a saved tensor of {node} that was "
-        f"released by {released_by or 'a graphprune call'}. Pass keep=<the tensor you "
-        "backpropagate later> to that call, or run this backward before pruning."
+        f"graphprune: a backward pass needs a saved tensor of {node_name(node)} that was "
+        f"released by {released_by or 'a graphprune call'}. "
+        + (hint or "Pass keep=<the tensor you backpropagate later> to that call, or run "
+           "this backward before pruning.")
     )

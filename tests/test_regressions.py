@@ -62,10 +62,12 @@ def test_keep_none_protects_custom_function_outputs():
     with gp.track():
         x = w.exp()
         f = Square.apply(x.sin())  # Function.apply is no torch call the recorder sees
-        y1 = (f * 3).sum()
+        f3 = f * 3  # a torch call that sees f
+        y1 = x.cos().sum()
+    del f3
     y1.backward(retain_graph=True)
-    report = gp.prune_after(y1)
-    assert "SquareBackward" not in report.released_nodes
+    report = gp.prune_after(y1)  # f, not backpropagated yet, keeps x's graph
+    assert report.released_nodes == {"CosBackward0": 1}
     w.grad = None
     f.sum().backward()
     assert_close(w.grad, 2 * x.detach().sin() * x.detach().cos() * x.detach())
@@ -308,9 +310,9 @@ def test_branch_node_below_a_kept_node_is_hooked_and_guarded():
         y2 = losses[1] * 2
         y2.backward(retain_graph=True)
         if use_gp:
-            gp.prune_after(y2)  # ExpBackward0 hangs below the kept stack, past released Sin
+            gp.prune_after(y2, keep=losses[1])  # y2's pass ran through losses[1]: keep it
         w.grad = None
-        losses[1].backward()  # head 0 runs with a zero gradient
+        losses[1].backward()  # head 0 runs with a zero gradient, Sin released, Exp kept below it
         return w.grad
 
     assert_close(run(True), run(False))

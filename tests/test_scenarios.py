@@ -48,15 +48,27 @@ def test_seed_example_keeps_trunk_and_frees_branch():
         y1.backward()
 
 
-def test_seed_example_protects_live_intermediate():
+def test_live_intermediate_inside_the_pruned_graph_is_finished():
     w = torch.tensor([1.0, 2.0, 3.0], requires_grad=True)
     with gp.track():
         x, x1, y1 = _seed_forward(w)
     y1.backward(torch.ones(3), retain_graph=True)
-    report = gp.prune_after(y1)  # x1 is alive: only y1 = x1 * x1 is released
+    report = gp.prune_after(y1)  # y1's pass ran through x1: held, but finished
+    assert report.released_nodes == {"MulBackward0": 2}
+    message = r"The graph of x1 \(tensor of shape \(3,\).*had run through it\). Pass keep=x1 to that call"
+    with pytest.raises(gp.ReleasedTensorError, match=message):
+        x1.sum().backward()
+
+
+def test_keep_names_a_live_intermediate_to_backpropagate_later():
+    w = torch.tensor([1.0, 2.0, 3.0], requires_grad=True)
+    with gp.track():
+        x, x1, y1 = _seed_forward(w)
+    y1.backward(torch.ones(3), retain_graph=True)
+    report = gp.prune_after(y1, keep=x1)  # only y1 = x1 * x1 is released
     assert report.released_nodes == {"MulBackward0": 1}
-    assert any("live tensor of shape (3,)" in k.reason for k in report.kept)
-    x1.sum().backward()  # x1's graph was kept
+    assert any("keep: tensor of shape (3,)" in k.reason for k in report.kept)
+    x1.sum().backward()
     assert_close(w.grad, 4 * (w + 10) ** 3 + 2 * (w + 10))
 
 

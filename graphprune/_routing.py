@@ -1,0 +1,259 @@
+"""Gradient routing: which children of a node can receive a non-zero gradient.
+
+NOTE [ Gradient routing ]
+Losses gathered into one tensor (``losses = torch.stack([l0, l1, l2])``, or
+``losses[i] = l_i``) and backpropagated one at a time (``losses[1].backward()``)
+reach every head through ``Stack``/``Select``/``CopySlices`` nodes, but only head 1
+gets a non-zero gradient: the others get zeros. A walk that follows every edge would
+count every head as part of ``losses[1]``'s graph. So a walk carries, for the few
+node types that select or assemble slices, the *support* of the gradient that
+flows into each of their outputs: ``ALL`` (any element may be non-zero) or
+``(dim, indices)`` (only those indices along ``dim`` may be). Every other node
+passes ``ALL`` to all its children: conservative, never wrong.
+
+A routing rule maps a node's incoming supports (by output number) to the
+``(child, child's output number, support)`` of each child that may receive a
+non-zero gradient. Rules read what the node saved (``_saved_dim``, ...; ints, not
+tensors: no unpack hook runs) and ``_input_metadata`` (the shapes of the node's
+forward outputs). ``CopySlices`` exposes no geometry: the output recorder stamps
+the index ``Tensor.__setitem__`` wrote on it (:func:`stamp_setitem`). A rule that
+cannot read what it needs passes ``ALL`` to every child.
+"""
+
+from __future__ import annotations
+
+import operator
+from typing import Callable
+
+import torch
+
+__all__ = [
+    "ALL", "NOTHING", "BY_TYPE", "WRITTEN", "rule_for", "merge", "widen", "every_output", "complement",
+    "stamp_setitem", "index_text",
+]
+
+ALL = None  # the support "any element may be non-zero"
+NOTHING = ()  # the support "every element is zero"
+WRITTEN = "graphprune.written"  # CopySlices metadata: (dim, indices written, size along dim)
+_U64 = 1 << 64
+
+
+def merge(a, b):
+    """The union of two supports (``ALL`` absorbs; different dims give ``ALL``)."""
+    if a == NOTHING:
+        return b
+    if b == NOTHING:
+        return a
+    if a is ALL or b is ALL or a[0] != b[0]:
+        return ALL
+    return (a[0], a[1] | b[1])
+
+
+def widen(supports: dict, nr: int, support) -> bool:
+    """Merge ``support`` into ``supports[nr]``; whether it grew."""
+    old = supports.get(nr, NOTHING)
+    new = merge(old, support)
+    if new == old:
+        return False
+    supports[nr] = new
+    return True
+
+
+def every_output(node) -> dict:
+    """``{output number: ALL}`` for each output of ``node``."""
+    try:
+        return dict.fromkeys(range(len(node._input_metadata)), ALL)
+    except RuntimeError:
+        return {0: ALL}
+
+
+def complement(support, size: int):
+    """What of ``range(size)`` along the support's dim is not in it (``NOTHING`` if
+    nothing is left, ``ALL`` if the support was ``NOTHING``)."""
+    if support is ALL:
+        return NOTHING
+    if support == NOTHING:
+        return ALL
+    rest = frozenset(range(size)) - support[1]
+    return (support[0], rest) if rest else NOTHING
+
+
+def _signed(v: int) -> int:
+    return v - _U64 if v >= 1 << 63 else v
+
+
+def _dim(d: int, ndim: int) -> int:
+    d = _signed(d)
+    return d + ndim if d < 0 else d
+
+
+def _edges(node) -> list:
+    return [(c, nr) for c, nr in node.next_functions if c is not None]
+
+
+def _out_ndim(node, nr: int = 0) -> int:
+    return len(node._input_metadata[nr].shape)
+
+
+def _select(node, supports):
+    sizes = node._saved_self_sym_sizes
+    d = _dim(node._saved_dim, len(sizes))
+    return [(c, nr, (d, frozenset((_signed(node._saved_index) % sizes[d],)))) for c, nr in _edges(node)]
+
+
+def _slice(node, supports):
+    sizes = node._saved_self_sym_sizes
+    d = _dim(node._saved_dim, len(sizes))
+    bounds = slice(_signed(node._saved_start), _signed(node._saved_end), node._saved_step)
+    picked = range(*bounds.indices(sizes[d]))
+    incoming = supports.get(0, ALL)
+    if incoming is not ALL and incoming[0] == d:
+        indices = frozenset(picked[i] for i in incoming[1] if i < len(picked))
+    else:
+        indices = frozenset(picked)
+    return [(c, nr, (d, indices)) for c, nr in _edges(node)] if indices else []
+
+
+def _unbind(node, supports):
+    d = _dim(node._saved_dim, _out_ndim(node) + 1)
+    return [(c, nr, (d, frozenset(supports))) for c, nr in _edges(node)]
+
+
+def _split(node, supports):
+    sizes = node._saved_self_sym_sizes
+    d = _dim(node._saved_dim, len(sizes))
+    if hasattr(node, "_saved_split_sizes"):
+        parts = list(node._saved_split_sizes)
+    else:
+        step = node._saved_split_size
+        parts = [min(step, sizes[d] - start) for start in range(0, sizes[d], step)]
+    offsets = [sum(parts[:k]) for k in range(len(parts))]
+    indices = frozenset(i for k in supports for i in range(offsets[k], offsets[k] + parts[k]))
+    return [(c, nr, (d, indices)) for c, nr in _edges(node)]
+
+
+def _stack(node, supports):
+    d = _dim(node._saved_dim, _out_ndim(node))
+    incoming = supports.get(0, ALL)
+    pairs = list(node.next_functions)
+    if incoming is ALL or incoming[0] != d:
+        return [(c, nr, ALL) for c, nr in pairs if c is not None]
+    return [(c, nr, ALL) for i, (c, nr) in enumerate(pairs) if c is not None and i in incoming[1]]
+
+
+def _cat(node, supports):
+    d = _dim(node._saved_dim, _out_ndim(node))
+    incoming = supports.get(0, ALL)
+    pairs = list(node.next_functions)
+    if incoming is ALL or incoming[0] != d or any(c is None for c, _ in pairs):
+        return [(c, nr, ALL) for c, nr in pairs if c is not None]
+    out, start = [], 0
+    for c, nr in pairs:
+        n = c._input_metadata[nr].shape[d]
+        part = frozenset(i - start for i in incoming[1] if start <= i < start + n)
+        if part:
+            out.append((c, nr, (d, part)))
+        start += n
+    return out
+
+
+def _copy_slices(node, supports):
+    written = node.metadata.get(WRITTEN)
+    pairs = list(node.next_functions)
+    if written is None:
+        return [(c, nr, ALL) for c, nr in pairs if c is not None]
+    d, indices, size = written
+    incoming = supports.get(0, ALL)
+    wanted = frozenset(range(size)) if incoming is ALL or incoming[0] != d else incoming[1]
+    out = []
+    (base, base_nr), rest = pairs[0], pairs[1:]
+    kept = wanted - indices  # the base's gradient is zero where the write landed
+    if base is not None and kept:
+        out.append((base, base_nr, (d, kept)))
+    if wanted & indices:  # the written value gets the gradient of its region
+        out += [(c, nr, ALL) for c, nr in rest if c is not None]
+    return out
+
+
+_RULES: dict[str, Callable] = {
+    "SelectBackward0": _select,
+    "SliceBackward0": _slice,
+    "UnbindBackward0": _unbind,
+    "SplitBackward0": _split,
+    "SplitWithSizesBackward0": _split,
+    "StackBackward0": _stack,
+    "CatBackward0": _cat,
+    "CopySlices": _copy_slices,
+}
+BY_TYPE: dict[type, Callable | None] = {}  # filled by rule_for
+
+
+def rule_for(node_type: type) -> Callable | None:
+    """The routing rule of a node type, or ``None`` (every child gets ``ALL``)."""
+    try:
+        return BY_TYPE[node_type]
+    except KeyError:
+        rule = BY_TYPE[node_type] = _safe(_RULES.get(node_type.__name__.rsplit("::", 1)[-1]))
+        return rule
+
+
+def _safe(rule):
+    if rule is None:
+        return None
+
+    def routed(node, supports):
+        try:
+            return rule(node, supports)
+        except (RuntimeError, AttributeError, IndexError, TypeError, ValueError, ZeroDivisionError):
+            return [(c, nr, ALL) for c, nr in _edges(node)]  # what it needs is unreadable
+
+    return routed
+
+
+# -- CopySlices: what Tensor.__setitem__ wrote --------------------------------------------
+def stamp_setitem(target: torch.Tensor, key, before) -> None:
+    """Stamp the ``CopySlices`` that ``target[key] = value`` made with the index it
+    wrote, when the key is plain (ints and slices); otherwise leave it unrouted."""
+    fn = target.grad_fn
+    if fn is None or fn is before or fn.name().rsplit("::", 1)[-1] != "CopySlices":
+        return
+    where = _written(key, tuple(target.shape))
+    if where is not None:
+        fn.metadata[WRITTEN] = where
+
+
+def _written(key, shape: tuple):
+    """``(dim, indices, size)`` of the one constrained dim of a basic index, or ``None``."""
+    items = key if isinstance(key, tuple) else (key,)
+    d = 0
+    for k in items:
+        if d >= len(shape):
+            return None
+        if isinstance(k, slice) and k == slice(None):
+            d += 1
+            continue
+        if not isinstance(k, slice):
+            if isinstance(k, (bool, torch.Tensor)) or not hasattr(k, "__index__"):
+                return None  # tensors, lists, None, Ellipsis: not worth routing
+            k = operator.index(k)
+            indices = frozenset((k % shape[d],)) if -shape[d] <= k < shape[d] else None
+        else:
+            indices = frozenset(range(*k.indices(shape[d])))
+        return None if not indices else (d, indices, shape[d])
+    return None  # the whole tensor was written
+
+
+def index_text(name: str, support, size: int = 0) -> str:
+    """``losses[2:]``, ``losses[1]``, ``losses[:, [0, 3]]``: the part of ``name`` (of
+    ``size`` along the support's dim) that a support covers."""
+    if support is ALL:
+        return name
+    d, indices = support
+    ks = sorted(indices)
+    if len(ks) == 1:
+        part = str(ks[0])
+    elif ks == list(range(ks[0], ks[-1] + 1)):
+        part = f"{ks[0] or ''}:{'' if ks[-1] + 1 == size else ks[-1] + 1}"
+    else:
+        part = str(ks)
+    return f"{name}[{':, ' * d}{part}]"

@@ -1,0 +1,171 @@
+"""Gradient routing: losses gathered into one tensor and backpropagated one at a time
+(NOTE [ Gradient routing ] in ``graphprune/_routing.py``)."""
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from torch.testing import assert_close
+
+import graphprune as gp
+from graphprune import _routing
+
+
+def _gather(ls: list, way: str) -> torch.Tensor:
+    if way == "stack":
+        return torch.stack(ls)
+    if way == "cat":
+        return torch.cat([loss.unsqueeze(0) for loss in ls])
+    if way == "assign":  # LibMTL's trainer, nash-mtl: losses = zeros(T); losses[i] = loss_i
+        losses = torch.zeros(len(ls))
+        for i in range(len(ls)):
+            losses[i] = ls[i]
+        return losses
+    raise AssertionError(way)
+
+
+def _pick(losses: torch.Tensor, i: int, way: str) -> torch.Tensor:
+    if way == "index":
+        return losses[i]
+    if way == "unbind":
+        return losses.unbind()[i]
+    if way == "split":
+        return losses.split(1)[i].sum()
+    if way == "slice":
+        return losses[i : i + 1].sum()
+    raise AssertionError(way)
+
+
+def _model(T: int = 3):
+    torch.manual_seed(0)
+    w = torch.randn(16, 16, requires_grad=True)
+    heads = [torch.randn(16, 16, requires_grad=True) for _ in range(T)]
+    inp = torch.randn(8, 16)
+    return w, heads, inp
+
+
+def _losses(w, heads, inp, gather):
+    x = (inp @ w).tanh()
+    return _gather([((x @ h).sin() ** 2).mean() for h in heads], gather)
+
+
+def _per_task_grads(w, heads, inp, gather, pick, use_gp, keep=None):
+    """Per-task gradients of the shared ``w``, one backward pass per task."""
+    with gp.track():
+        losses = _losses(w, heads, inp, gather)
+    grads, reports = [], []
+    for i in range(len(heads)):
+        w.grad = None
+        loss = _pick(losses, i, pick)
+        if use_gp:
+            reports.append(gp.backward(loss, keep=keep(losses, i) if keep else None))
+        else:
+            loss.backward(retain_graph=True)
+        grads.append(w.grad.clone())
+    return grads, reports
+
+
+@pytest.mark.parametrize("gather", ["stack", "cat", "assign"])
+@pytest.mark.parametrize("pick", ["index", "unbind", "split", "slice"])
+def test_stacked_losses_free_one_head_per_pass_by_default(gather, pick):
+    w, heads, inp = _model()
+    expected, _ = _per_task_grads(w, heads, inp, gather, pick, use_gp=False)
+    got, reports = _per_task_grads(w, heads, inp, gather, pick, use_gp=True)
+    assert_close(got, expected)
+    head_only = {"MmBackward0": 1, "SinBackward0": 1, "PowBackward0": 1}
+    assert reports[0].released_nodes == head_only
+    assert reports[1].released_nodes == head_only
+    assert reports[2].released_nodes == {"MmBackward0": 2, "SinBackward0": 1, "PowBackward0": 1,
+                                         "TanhBackward0": 1}
+
+
+@pytest.mark.parametrize("gather", ["stack", "assign"])
+def test_keep_later_losses_by_slice_frees_the_finished_head(gather):
+    w, heads, inp = _model()
+    expected, _ = _per_task_grads(w, heads, inp, gather, "index", use_gp=False)
+    got, reports = _per_task_grads(w, heads, inp, gather, "index", use_gp=True,
+                                   keep=lambda losses, i: losses[i + 1 :] if i + 1 < len(heads) else [])
+    assert_close(got, expected)
+    assert reports[0].released_nodes == {"MmBackward0": 1, "SinBackward0": 1, "PowBackward0": 1}
+    assert reports[0].bytes_freed > 0
+
+
+def test_forgotten_keep_names_the_later_losses_by_index():
+    w, heads, inp = _model(4)
+    with gp.track():
+        losses = _losses(w, heads, inp, "stack")
+    gp.backward(losses[0], keep=[])
+    with pytest.raises(gp.ReleasedTensorError, match=r"Pass keep=losses\[1:\] to that call"):
+        losses[1].backward()
+
+
+def test_unrouted_index_counts_as_a_pass_through_the_whole_tensor():
+    """A tensor index exposes no geometry: the walk assumes every entry got a gradient
+    (never a wrong gradient), so the later losses need keep=, and the error says so."""
+    w, heads, inp = _model()
+    with gp.track():
+        losses = _losses(w, heads, inp, "stack")
+    gp.backward(losses[torch.tensor([0])].sum())
+    with pytest.raises(gp.ReleasedTensorError, match=r"Pass keep=losses to that call"):
+        losses[1].backward()
+    with gp.track():
+        losses = _losses(w, heads, inp, "stack")
+    report = gp.backward(losses[torch.tensor([0])].sum(), keep=losses[1:])
+    assert report.released_nodes == {"MmBackward0": 1, "SinBackward0": 1, "PowBackward0": 1}
+    losses[1].backward()
+
+
+def test_setitem_with_plain_keys_is_stamped():
+    assert _routing._written(2, (5,)) == (0, frozenset({2}), 5)
+    assert _routing._written(-1, (5,)) == (0, frozenset({4}), 5)
+    assert _routing._written((slice(None), slice(1, 3)), (2, 5)) == (1, frozenset({1, 2}), 5)
+    assert _routing._written(torch.tensor([1]), (5,)) is None
+    assert _routing._written((Ellipsis, 1), (2, 5)) is None
+    assert _routing._written(slice(None), (5,)) is None  # the whole tensor
+
+
+def test_index_text_reads_like_python():
+    assert _routing.index_text("losses", (0, frozenset({2, 3})), 4) == "losses[2:]"
+    assert _routing.index_text("losses", (0, frozenset({1})), 4) == "losses[1]"
+    assert _routing.index_text("losses", (0, frozenset({0, 1})), 4) == "losses[:2]"
+    assert _routing.index_text("losses", (1, frozenset({0, 3})), 4) == "losses[:, [0, 3]]"
+
+
+@settings(max_examples=25, deadline=None)
+@given(
+    T=st.integers(2, 4),
+    gather=st.sampled_from(["stack", "cat", "assign"]),
+    pick=st.sampled_from(["index", "unbind", "split", "slice"]),
+    order=st.randoms(use_true_random=False),
+    shared_taps=st.lists(st.booleans(), min_size=4, max_size=4),
+)
+def test_random_multi_head_graphs_match_plain(T, gather, pick, order, shared_taps):
+    """Heads that tap the trunk at two depths, stacked in any way and backpropagated in
+    any order with keep=None: every gradient equals plain PyTorch's."""
+    torch.manual_seed(T)
+    w1, w2 = torch.randn(8, 8, requires_grad=True), torch.randn(8, 8, requires_grad=True)
+    heads = [torch.randn(8, 8, requires_grad=True) for _ in range(T)]
+    inp = torch.randn(4, 8)
+    tasks = list(range(T))
+    order.shuffle(tasks)
+
+    def run(use_gp):
+        with gp.track():
+            h1 = (inp @ w1).tanh()
+            h2 = (h1 @ w2).sin()
+            ls = [((h1 if shared_taps[i] else h2) @ heads[i]).cos().mean() for i in range(T)]
+            losses = _gather(ls, gather)
+        del ls, h1, h2
+        out = []
+        for i in tasks:
+            for p in (w1, w2, *heads):
+                p.grad = None
+            loss = _pick(losses, i, pick)
+            if use_gp:
+                gp.backward(loss)
+            else:
+                loss.backward(retain_graph=True)
+            out.append([None if p.grad is None else p.grad.clone() for p in (w1, w2, *heads)])
+        return out
+
+    assert_close(run(True), run(False))
