@@ -15,7 +15,7 @@ from importlib.metadata import PackageNotFoundError, version
 from ._prune import backward, explain, grad, prune_after
 from ._report import KeptReason, PruneReport
 from ._tape import Tape, track
-from .errors import GraphPruneError, InplaceModifiedError, ReleasedTensorError
+from .errors import GraphPruneError, GraphPruneWarning, InplaceModifiedError, ReleasedTensorError
 
 try:
     __version__ = version("graphprune")
@@ -32,6 +32,7 @@ __all__ = [
     "PruneReport",
     "KeptReason",
     "GraphPruneError",
+    "GraphPruneWarning",
     "ReleasedTensorError",
     "InplaceModifiedError",
     "__version__",

@@ -11,11 +11,12 @@ import torch
 from torch.autograd.graph import Node
 
 from . import _outputs
-from ._graph import FOREIGN, UNTRACKED, _is_router, name, reach, saved
+from ._graph import FOREIGN, TRACKED, UNTRACKED, _is_router, name, reach, saved
 from ._marks import FINISHED, RELEASED
-from ._report import KeptReason, PruneReport, exclusive_bytes, unique_bytes
+from ._report import KeptReason, PruneReport, exclusive_bytes, format_bytes, unique_bytes
 from ._routing import ALL, NOTHING, complement, index_text, merge, widen
 from ._saved import SavedHandle
+from ._warn import warn_at_caller
 from ._zero import guard_released
 
 __all__ = ["Plan", "as_outputs"]
@@ -36,10 +37,12 @@ def as_outputs(value, call: str, arg: str) -> list[torch.Tensor]:
         if not isinstance(t, torch.Tensor):
             raise TypeError(f"{call}: {name} must be a torch.Tensor, got {type(t).__name__}")
         if t.grad_fn is None:
-            raise ValueError(
-                f"{call}: {name} has no grad_fn (it is a leaf or does not require grad), "
-                "so there is no graph behind it to prune"
+            why = (
+                "it is a leaf" if t.requires_grad else
+                "it does not require grad: made under torch.no_grad() or torch.inference_mode(), "
+                "or from tensors that do not require grad"
             )
+            raise ValueError(f"{call}: {name} has no grad_fn ({why}); there is no graph behind it to prune")
     return items
 
 
@@ -47,6 +50,12 @@ def _keep_roots(keep, call: str) -> list[tuple[Node, str]]:
     """``(node, description)`` of each root that ``keep`` protects."""
     items = list(keep) if isinstance(keep, (list, tuple)) else [keep]
     roots = []
+    if items and all(isinstance(k, torch.Tensor) and k.requires_grad and k.grad_fn is None for k in items):
+        warn_at_caller(
+            f"{call}: keep= names only leaf tensors (parameters, inputs); a leaf has no graph "
+            "behind it, so it protects nothing. Name the tensor a later backward pass starts "
+            "from, or the intermediate it is built on (the trunk's output x)."
+        )
     for i, k in enumerate(items):
         name = "keep" if not isinstance(keep, (list, tuple)) else f"keep[{i}]"
         if isinstance(k, torch.Tensor):
@@ -91,6 +100,7 @@ class Plan:
         self.finished, pending = _split_live(ys, self.reach, y_supports)
         self._candidates = _candidates(self.finished, pending)
         self.reason = Release(f"{call}({', '.join(_outputs.describe(t) for t in ys)})", self._candidates)
+        self._pending = pending if keep is None else []
         if keep is None:
             guards = [(fn, functools.partial(_pending_text, t, part)) for fn, _, part, t in pending]
             starts = [(fn, nr, support) for fn, nr, support, _ in pending]
@@ -114,9 +124,11 @@ class Plan:
         released: collections.Counter = collections.Counter()
         by_node: dict = {}
         kept_by: dict[str, list[list[SavedHandle]]] = collections.defaultdict(list)
+        self._kinds: set = set()
         for node in self.reach:
             handles, kind = saved(node)
             live = [h for h in handles if h.tensor is not None]
+            self._kinds.add(kind if handles or kind != TRACKED else None)  # None: saved nothing
             if kind == FOREIGN:
                 reason = _FOREIGN_REASON
             elif kind == UNTRACKED:
@@ -138,6 +150,7 @@ class Plan:
             unknown = reason in (_FOREIGN_REASON, _UNTRACKED_REASON)  # not graphprune's handles
             kept.append(KeptReason(reason, len(groups), None if unknown else unique_bytes(held, spans)))
         handles = [h for live in by_node.values() for h in live]
+        self._graph_bytes = unique_bytes(trunk + [h for h in handles if not h.leaf], spans)
         return by_node, dict(
             released_nodes=dict(released),
             released_tensors=len(handles),
@@ -145,6 +158,64 @@ class Plan:
             bytes_kept=unique_bytes(trunk, spans),
             kept=tuple(kept),
         )
+
+    def warn(self, call: str) -> None:
+        """Warn (``GraphPruneWarning``, at the user's line) when this call cannot free
+        what it is for: a graph built outside ``track()``, or little freed because of
+        live tensors the user holds that no later pass starts from."""
+        if self.handles_by_node:
+            freed = self.report_args["bytes_freed"]
+        elif TRACKED not in self._kinds and UNTRACKED in self._kinds:
+            warn_at_caller(
+                f"{call}: nothing can be released: the graph of "
+                f"{', '.join(_outputs.describe(t) for t in self.outputs)} was built outside "
+                "graphprune.track(), so PyTorch holds its saved tensors. Run the forward "
+                "inside `with graphprune.track():`."
+            )
+            return
+        else:
+            freed = 0
+        total = self._graph_bytes
+        if not self._pending or total == 0 or freed >= 0.1 * total:
+            return
+        held = self._held_by_non_losses()
+        if held is None:
+            return
+        names, blocked = held
+        if blocked <= freed:
+            return
+        some = "; ".join(names[:3]) + (f"; and {len(names) - 3} more" if len(names) > 3 else "")
+        warn_at_caller(
+            f"{call} freed {format_bytes(freed)} of the {format_bytes(total)} its graph holds: "
+            f"{format_bytes(blocked)} stays for live tensors you hold that no backward pass has "
+            f"run through, and that are no loss: {some}. If no backward pass will start from "
+            "them, detach them (t = t.detach()) or del them before this call; or name what "
+            "later passes start from: keep=[later losses]."
+        )
+
+    def _held_by_non_losses(self):
+        """``(descriptions, bytes)`` of what only the pending tensors that are no loss
+        (more than one element, and no entries of a backpropagated tensor) protect."""
+        losses, others = [], []
+        for fn, nr, part, t in self._pending:
+            (losses if part is not ALL or t.numel() == 1 else others).append((fn, nr, part, t))
+        if not others:
+            return None
+        supports: dict = {}
+        for fn, nr, part, _ in losses:
+            if _is_router(fn):
+                widen(supports.setdefault(fn, {}), nr, part)
+        by_losses = reach((fn for fn, *_ in losses), through_released=False, supports=supports)
+        blocked = [n for n in self.protected if n in self.reach and n not in by_losses]
+        if not blocked:
+            return None
+        handles = [h for n in blocked for h in saved(n)[0] if h.tensor is not None and not h.leaf]
+        culprits = []
+        blocked_set = set(blocked)
+        for fn, _, _, t in others:
+            if not blocked_set.isdisjoint(reach([fn], through_released=False)):
+                culprits.append(_pending_text(t, ALL).replace(", not backpropagated yet", ""))
+        return culprits, unique_bytes(handles)
 
     def _guard_reason(self, index: int) -> str:
         text = self._guard_text[index]

@@ -80,6 +80,7 @@ def prune_after(y: torch.Tensor | Sequence[torch.Tensor], keep=None) -> PruneRep
     plan = Plan("graphprune.prune_after", y, keep)
     report = plan.report("graphprune.prune_after", dry_run=False)
     plan.release()
+    plan.warn("graphprune.prune_after")
     return report
 
 
@@ -130,10 +131,12 @@ def backward(tensors, gradient=None, keep=None, inputs=None, create_graph: bool 
         torch.autograd.backward(tensors, gradient, retain_graph=True, create_graph=True, inputs=inputs)
         plan = Plan(call, tensors, keep, arg="tensors", extra=_leaf_grads(outputs, inputs))
         plan.release()
+        plan.warn(call)
         return plan.report(call, dry_run=False)
     plan = Plan(call, tensors, keep, arg="tensors")
     report = plan.report(call, dry_run=False)
     _run(plan, lambda: torch.autograd.backward(tensors, gradient, retain_graph=True, inputs=inputs))
+    plan.warn(call)
     return report
 
 
@@ -165,6 +168,11 @@ def grad(outputs, inputs, grad_outputs=None, keep=None, create_graph: bool = Fal
     if create_graph:
         as_outputs(outputs, "graphprune.grad", "outputs")
         result = pass_fn()
-        Plan("graphprune.grad", outputs, keep, arg="outputs", extra=result).release()
+        plan = Plan("graphprune.grad", outputs, keep, arg="outputs", extra=result)
+        plan.release()
+        plan.warn("graphprune.grad")
         return result
-    return _run(Plan("graphprune.grad", outputs, keep, arg="outputs"), pass_fn)
+    plan = Plan("graphprune.grad", outputs, keep, arg="outputs")
+    result = _run(plan, pass_fn)
+    plan.warn("graphprune.grad")
+    return result

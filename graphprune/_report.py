@@ -14,7 +14,7 @@ from ._marks import RELEASED
 from ._outputs import live_roots
 from ._saved import SavedHandle, storage_of
 
-__all__ = ["PruneReport", "KeptReason", "unique_bytes", "exclusive_bytes", "snapshot"]
+__all__ = ["PruneReport", "KeptReason", "unique_bytes", "exclusive_bytes", "format_bytes", "snapshot"]
 
 
 def unique_bytes(handles: list[SavedHandle], spans: dict | None = None) -> int:
@@ -68,7 +68,7 @@ class KeptReason:
     saved_bytes: int | None  # None: held by PyTorch or other hooks, not measured
 
     def __str__(self) -> str:
-        held = "bytes unknown" if self.saved_bytes is None else _fmt_bytes(self.saved_bytes)
+        held = "bytes unknown" if self.saved_bytes is None else format_bytes(self.saved_bytes)
         return f"{self.nodes} node(s), {held}: {self.reason}"
 
 
@@ -99,15 +99,15 @@ class PruneReport:
         ops = ", ".join(f"{name} x{n}" if n > 1 else name for name, n in self.released_nodes.items())
         lines = [
             f"{self.call} {verb} {self.released_tensors} saved tensor(s) of "
-            f"{self.released_node_count} node(s): {_fmt_bytes(self.bytes_freed)} freed",
+            f"{self.released_node_count} node(s): {format_bytes(self.bytes_freed)} freed",
             f"  nodes: {ops or '-'}",
-            f"  kept by the trunk: {_fmt_bytes(self.bytes_kept)}",
+            f"  kept by the trunk: {format_bytes(self.bytes_kept)}",
         ]
         lines += [f"  kept {r}" for r in self.kept]
         return "\n".join(lines)
 
 
-def _fmt_bytes(n: int) -> str:
+def format_bytes(n: int) -> str:
     for unit in ("B", "KiB", "MiB", "GiB"):
         if abs(n) < 1024 or unit == "GiB":
             return f"{n:.1f} {unit}" if unit != "B" else f"{n} B"

@@ -4,11 +4,18 @@ from __future__ import annotations
 
 from ._marks import node_name
 
-__all__ = ["GraphPruneError", "ReleasedTensorError", "InplaceModifiedError", "released_message"]
+__all__ = [
+    "GraphPruneError", "ReleasedTensorError", "InplaceModifiedError", "GraphPruneWarning", "released_message",
+]
 
 
 class GraphPruneError(RuntimeError):
     """Root of every error graphprune raises about the autograd graph."""
+
+
+class GraphPruneWarning(UserWarning):
+    """A graphprune call that works but will not give what it is for: little or nothing
+    freed, or a ``keep=`` that protects nothing. Filed at the line of the call."""
 
 
 class ReleasedTensorError(GraphPruneError):
