@@ -12,7 +12,7 @@ finished output alone needs::
 
 from importlib.metadata import PackageNotFoundError, version
 
-from ._prune import backward, explain, grad, prune_after
+from ._prune import backward, explain, grad, last_report, prune_after
 from ._report import KeptReason, PruneReport
 from ._tape import Tape, track
 from .errors import GraphPruneError, GraphPruneWarning, InplaceModifiedError, ReleasedTensorError
@@ -29,6 +29,7 @@ __all__ = [
     "explain",
     "backward",
     "grad",
+    "last_report",
     "PruneReport",
     "KeptReason",
     "GraphPruneError",

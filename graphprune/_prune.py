@@ -2,15 +2,17 @@
 
 from __future__ import annotations
 
+import dataclasses
+import threading
 from collections.abc import Sequence
 
 import torch
 
 from ._graph import walk
 from ._plan import Plan, as_outputs
-from ._report import PruneReport
+from ._report import KeptReason, PruneReport
 
-__all__ = ["prune_after", "explain", "backward", "grad"]
+__all__ = ["prune_after", "explain", "backward", "grad", "last_report"]
 
 
 def _leaf_grads(outputs: list[torch.Tensor], inputs) -> list[torch.Tensor]:
@@ -81,7 +83,7 @@ def prune_after(y: torch.Tensor | Sequence[torch.Tensor], keep=None) -> PruneRep
     report = plan.report("graphprune.prune_after", dry_run=False)
     plan.release()
     plan.warn("graphprune.prune_after")
-    return report
+    return _remember(report)
 
 
 def explain(y: torch.Tensor | Sequence[torch.Tensor], keep=None) -> PruneReport:
@@ -100,17 +102,29 @@ def explain(y: torch.Tensor | Sequence[torch.Tensor], keep=None) -> PruneReport:
           kept by the trunk: 16 B
           kept 2 node(s), 16 B: keep: tensor of shape (4,), torch.float32, created at ...
     """
-    return Plan("graphprune.explain", y, keep).report("graphprune.explain", dry_run=True)
+    return _remember(Plan("graphprune.explain", y, keep).report("graphprune.explain", dry_run=True))
 
 
-def backward(tensors, gradient=None, keep=None, inputs=None, create_graph: bool = False) -> PruneReport:
+def backward(
+    tensors,
+    grad_tensors=None,
+    retain_graph: bool | None = None,
+    create_graph: bool = False,
+    inputs=None,
+    *,
+    keep=None,
+) -> PruneReport:
     """``torch.autograd.backward`` that retains the trunk and frees the branch as it goes.
 
-    The pass runs with ``retain_graph=True``; each saved tensor only the branch
-    needs is let go as soon as its node has used it, as ``retain_graph=False`` would,
-    so the peak is that of a plain pass on the branch. Branch nodes the pass does
-    not run (``inputs=`` stops it) are released when it ends. If the pass raises,
-    what it had not used yet is kept.
+    Takes what ``torch.autograd.backward`` takes, and ``keep=`` (see
+    :func:`prune_after`). The pass runs with ``retain_graph=True``; each saved tensor
+    only the branch needs is let go as soon as its node has used it, as
+    ``retain_graph=False`` would, so the peak is that of a plain pass on the branch.
+    Branch nodes the pass does not run (``inputs=`` stops it) are released when it
+    ends. If the pass raises, what it had not used yet is kept. ``retain_graph=True``
+    keeps the whole graph (plain PyTorch's pass; the report says what it holds);
+    ``retain_graph=False`` keeps nothing (``keep=[]``). :func:`last_report` returns the
+    report too.
 
     Example::
 
@@ -126,24 +140,38 @@ def backward(tensors, gradient=None, keep=None, inputs=None, create_graph: bool 
         tensor([17.4964, 17.4964, 17.4964, 17.4964])
     """
     call = "graphprune.backward"
+    keep = _keep_for(call, keep, retain_graph, tensors)
     if create_graph:  # the gradients' graphs lead back into the branch: prune after
         outputs = as_outputs(tensors, call, "tensors")
-        torch.autograd.backward(tensors, gradient, retain_graph=True, create_graph=True, inputs=inputs)
+        torch.autograd.backward(tensors, grad_tensors, retain_graph=True, create_graph=True, inputs=inputs)
         plan = Plan(call, tensors, keep, arg="tensors", extra=_leaf_grads(outputs, inputs))
         plan.release()
         plan.warn(call)
-        return plan.report(call, dry_run=False)
+        return _remember(plan.report(call, dry_run=False), retain_graph)
     plan = Plan(call, tensors, keep, arg="tensors")
     report = plan.report(call, dry_run=False)
-    _run(plan, lambda: torch.autograd.backward(tensors, gradient, retain_graph=True, inputs=inputs))
-    plan.warn(call)
-    return report
+    _run(plan, lambda: torch.autograd.backward(tensors, grad_tensors, retain_graph=True, inputs=inputs))
+    if retain_graph is None:
+        plan.warn(call)
+    return _remember(report, retain_graph)
 
 
-def grad(outputs, inputs, grad_outputs=None, keep=None, create_graph: bool = False, allow_unused=None):
+def grad(
+    outputs,
+    inputs,
+    grad_outputs=None,
+    retain_graph: bool | None = None,
+    create_graph: bool = False,
+    allow_unused: bool | None = None,
+    is_grads_batched: bool = False,
+    materialize_grads: bool = False,
+    *,
+    keep=None,
+):
     """``torch.autograd.grad`` with the trunk retained and the branch freed as it goes.
 
-    Returns what ``torch.autograd.grad`` returns; see :func:`backward`.
+    Takes what ``torch.autograd.grad`` takes, and ``keep=``; returns what it returns
+    (the :class:`PruneReport` is :func:`last_report`'s). See :func:`backward`.
 
     Example::
 
@@ -154,7 +182,12 @@ def grad(outputs, inputs, grad_outputs=None, keep=None, create_graph: bool = Fal
         ...     y1 = (x * x).sum()
         >>> gp.grad(y1, w, keep=x)
         (tensor([18., 18.]),)
+        >>> gp.last_report().released_nodes
+        {'MulBackward0': 1}
     """
+    call = "graphprune.grad"
+    keep = _keep_for(call, keep, retain_graph, outputs)
+
     def pass_fn():
         return torch.autograd.grad(
             outputs,
@@ -163,16 +196,54 @@ def grad(outputs, inputs, grad_outputs=None, keep=None, create_graph: bool = Fal
             retain_graph=True,
             create_graph=create_graph,
             allow_unused=allow_unused,
+            is_grads_batched=is_grads_batched,
+            materialize_grads=materialize_grads,
         )
 
     if create_graph:
-        as_outputs(outputs, "graphprune.grad", "outputs")
+        as_outputs(outputs, call, "outputs")
         result = pass_fn()
-        plan = Plan("graphprune.grad", outputs, keep, arg="outputs", extra=result)
+        plan = Plan(call, outputs, keep, arg="outputs", extra=result)
         plan.release()
-        plan.warn("graphprune.grad")
+        plan.warn(call)
+        _remember(plan.report(call, dry_run=False), retain_graph)
         return result
-    plan = Plan("graphprune.grad", outputs, keep, arg="outputs")
+    plan = Plan(call, outputs, keep, arg="outputs")
+    report = plan.report(call, dry_run=False)
     result = _run(plan, pass_fn)
-    plan.warn("graphprune.grad")
+    if retain_graph is None:
+        plan.warn(call)
+    _remember(report, retain_graph)
     return result
+
+
+def last_report() -> PruneReport | None:
+    """The report of this thread's last :func:`prune_after`, :func:`backward`,
+    :func:`grad` or :func:`explain` call (``None`` before the first)."""
+    return getattr(_last, "report", None)
+
+
+_last = threading.local()
+
+
+def _keep_for(call: str, keep, retain_graph, outputs):
+    """``keep`` as ``retain_graph`` asks: ``True`` keeps every graph the outputs have,
+    ``False`` keeps nothing; with ``keep=`` besides, they would contradict."""
+    if retain_graph is None:
+        return keep
+    if keep is not None:
+        raise ValueError(f"{call}: pass keep= or retain_graph=, not both (keep= is retain_graph "
+                         "per subgraph)")
+    if retain_graph:
+        items = list(outputs) if isinstance(outputs, (list, tuple)) else [outputs]
+        return [t for t in items if isinstance(t, torch.Tensor) and t.grad_fn is not None]
+    return []
+
+
+def _remember(report: PruneReport, retain_graph=None) -> PruneReport:
+    if retain_graph:
+        held = (KeptReason("retain_graph=True keeps the whole graph", sum(r.nodes for r in report.kept),
+                           report.bytes_kept),)
+        report = dataclasses.replace(report, kept=held)
+    _last.report = report
+    return report

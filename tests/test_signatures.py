@@ -1,0 +1,83 @@
+"""gp.backward and gp.grad take what torch.autograd.backward and torch.autograd.grad take."""
+
+import inspect
+
+import pytest
+import torch
+from torch.testing import assert_close
+
+import graphprune as gp
+
+
+def _graph():
+    torch.manual_seed(0)
+    w = torch.randn(4, requires_grad=True)
+    with gp.track():
+        x = w.exp()
+        y = x.sin() * 3
+    return w, x, y
+
+
+def test_parameters_match_torch_by_name_and_order():
+    ours = list(inspect.signature(gp.backward).parameters)
+    theirs = [p for p in inspect.signature(torch.autograd.backward).parameters if p != "grad_variables"]
+    assert ours[: len(theirs)] == theirs and ours[-1] == "keep"
+    ours = list(inspect.signature(gp.grad).parameters)
+    theirs = [p for p in inspect.signature(torch.autograd.grad).parameters if p != "only_inputs"]
+    assert ours[: len(theirs)] == theirs and ours[-1] == "keep"
+
+
+def test_backward_with_grad_tensors_matches_torch():
+    g = torch.arange(4.0)
+    w, x, y = _graph()
+    gp.backward(y, g, keep=x)
+    got = w.grad.clone()
+    w.grad = None
+    torch.autograd.backward(w.exp().sin() * 3, g)
+    assert_close(got, w.grad)
+
+
+def test_retain_graph_true_keeps_everything():
+    w, x, y = _graph()
+    report = gp.backward(y.sum(), retain_graph=True)
+    assert report.released_tensors == 0
+    assert report.kept[0].reason == "retain_graph=True keeps the whole graph"
+    y.sum().backward()  # the whole graph is still there
+
+
+def test_retain_graph_false_keeps_nothing():
+    w, x, y = _graph()
+    report = gp.backward(y.sum(), retain_graph=False)
+    assert report.released_nodes == {"SinBackward0": 1, "ExpBackward0": 1}  # x is not kept
+    with pytest.raises(gp.ReleasedTensorError):
+        x.sum().backward()
+
+
+def test_keep_and_retain_graph_together_are_refused():
+    w, x, y = _graph()
+    with pytest.raises(ValueError, match="keep= or retain_graph=, not both"):
+        gp.backward(y.sum(), retain_graph=True, keep=x)
+
+
+def test_grad_materializes_unused_inputs_as_torch_does():
+    w, x, y = _graph()
+    unused = torch.ones(2, requires_grad=True)
+    got = gp.grad(y.sum(), [w, unused], allow_unused=True, materialize_grads=True, keep=x)
+    assert_close(got[1], torch.zeros(2))
+    assert_close(got[0], 3 * w.detach().exp().cos() * w.detach().exp())
+
+
+def test_grad_batched_matches_torch():
+    w, x, y = _graph()
+    eye = torch.eye(4)
+    (got,) = gp.grad(y, w, eye, is_grads_batched=True, keep=x)
+    (expected,) = torch.autograd.grad(w.exp().sin() * 3, w, eye, is_grads_batched=True)
+    assert_close(got, expected)
+    assert gp.last_report().released_nodes == {"SinBackward0": 1}  # Mul by 3 saved nothing
+
+
+def test_last_report_is_the_report_of_grad():
+    w, x, y = _graph()
+    gp.grad(y.sum(), w, keep=x)
+    report = gp.last_report()
+    assert report.call == "graphprune.grad" and report.released_tensors >= 1
