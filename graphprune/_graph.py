@@ -98,7 +98,7 @@ def reach(roots, through_released: bool = True, supports: dict | None = None) ->
     sup: dict = {} if supports is None else supports
     queue: collections.deque = collections.deque()
     kids_of = _next
-    rules = _routing.BY_TYPE
+    rule_for = _routing.rule_for
     with LOCK:
         for i, node in enumerate(roots):
             if node is not None and node not in out and (through_released or RELEASED not in node.metadata):
@@ -109,9 +109,7 @@ def reach(roots, through_released: bool = True, supports: dict | None = None) ->
         while queue:
             node = queue.popleft()
             label = out[node]
-            rule = rules.get(type(node), _UNSEEN)
-            if rule is _UNSEEN:
-                rule = _routing.rule_for(type(node))
+            rule = rule_for(type(node))
             if rule is None:
                 for child in kids_of(node):
                     if child not in out:
@@ -141,14 +139,8 @@ def reach(roots, through_released: bool = True, supports: dict | None = None) ->
     return out
 
 
-_UNSEEN = object()
-
-
 def _is_router(node) -> bool:
-    rule = _routing.BY_TYPE.get(type(node), _UNSEEN)
-    if rule is _UNSEEN:
-        rule = _routing.rule_for(type(node))
-    return rule is not None
+    return _routing.rule_for(type(node)) is not None
 
 
 def _edge_numbers(parent, child) -> list[int]:

@@ -46,8 +46,9 @@ def as_outputs(value, call: str, arg: str) -> list[torch.Tensor]:
     return items
 
 
-def _keep_roots(keep, call: str) -> list[tuple[Node, str]]:
-    """``(node, description)`` of each root that ``keep`` protects."""
+def _keep_roots(keep, call: str) -> list[tuple[Node, int | None, str]]:
+    """``(node, output number or None for a node, description)`` of each root that
+    ``keep`` protects."""
     items = list(keep) if isinstance(keep, (list, tuple)) else [keep]
     roots = []
     if items and all(isinstance(k, torch.Tensor) and k.requires_grad and k.grad_fn is None for k in items):
@@ -62,9 +63,9 @@ def _keep_roots(keep, call: str) -> list[tuple[Node, str]]:
             if not k.requires_grad:
                 raise ValueError(f"{call}: {name} does not require grad; it has no graph to keep")
             if k.grad_fn is not None:
-                roots.append((k.grad_fn, f"{name}: {_outputs.describe(k)}"))
+                roots.append((k.grad_fn, k.output_nr, f"{name}: {_outputs.describe(k)}"))
         elif isinstance(k, Node):
-            roots.append((k, f"{name}: node {k.name()}"))
+            roots.append((k, None, f"{name}: node {k.name()}"))  # a routing node: every output
         else:
             raise TypeError(
                 f"{call}: {name} must be a tensor, a grad_fn node or a sequence of them, "
@@ -93,9 +94,7 @@ class Plan:
     def __init__(self, call: str, outputs, keep, arg: str = "y", extra=()):
         ys = self.outputs = as_outputs(outputs, call, arg)
         self._hooks: list = []
-        y_supports: dict = {}
-        for t in ys:
-            _start(y_supports, t, ALL)
+        y_supports = _supports((t.grad_fn, t.output_nr, ALL) for t in ys)
         self.reach = reach([t.grad_fn for t in ys], supports=y_supports)
         self.finished, pending = _split_live(ys, self.reach, y_supports)
         self._candidates = _candidates(self.finished, pending)
@@ -103,18 +102,17 @@ class Plan:
         self._pending = pending if keep is None else []
         if keep is None:
             guards = [(fn, functools.partial(_pending_text, t, part)) for fn, _, part, t in pending]
-            starts = [(fn, nr, support) for fn, nr, support, _ in pending]
+            starts = [(fn, nr, part) for fn, nr, part, _ in pending]
         else:
-            guards = _keep_roots(keep, call)
-            starts = [(fn, nr, ALL) for fn, nr in _keep_outputs(keep)]
+            roots = _keep_roots(keep, call)
+            guards = [(fn, text) for fn, _, text in roots]
+            starts = [(fn, nr, ALL) for fn, nr, _ in roots if nr is not None]
         guards += [(t.grad_fn, "the graph of a gradient made with create_graph=True")
                    for t in extra if t is not None and t.grad_fn is not None]
         order = sorted(range(len(guards)), key=lambda i: guards[i][0] not in self.reach)  # nearest first
-        guard_supports: dict = {}
-        for fn, nr, support in starts:
-            if _is_router(fn):
-                widen(guard_supports.setdefault(fn, {}), nr, support)
-        self.protected = reach((guards[i][0] for i in order), through_released=False, supports=guard_supports)
+        self.protected = reach(
+            (guards[i][0] for i in order), through_released=False, supports=_supports(starts)
+        )
         self._guard_text = [guards[i][1] for i in order]
         self.roots = [t.grad_fn for t in ys if t.grad_fn not in self.protected]
         self.handles_by_node, self.report_args = self._measure()
@@ -128,7 +126,8 @@ class Plan:
         for node in self.reach:
             handles, kind = saved(node)
             live = [h for h in handles if h.tensor is not None]
-            self._kinds.add(kind if handles or kind != TRACKED else None)  # None: saved nothing
+            if handles or kind != TRACKED:  # a node that saved nothing says nothing of where it was built
+                self._kinds.add(kind)
             if kind == FOREIGN:
                 reason = _FOREIGN_REASON
             elif kind == UNTRACKED:
@@ -163,9 +162,7 @@ class Plan:
         """Warn (``GraphPruneWarning``, at the user's line) when this call cannot free
         what it is for: a graph built outside ``track()``, or little freed because of
         live tensors the user holds that no later pass starts from."""
-        if self.handles_by_node:
-            freed = self.report_args["bytes_freed"]
-        elif TRACKED not in self._kinds and UNTRACKED in self._kinds:
+        if not self.handles_by_node and TRACKED not in self._kinds and UNTRACKED in self._kinds:
             warn_at_caller(
                 f"{call}: nothing can be released: the graph of "
                 f"{', '.join(_outputs.describe(t) for t in self.outputs)} was built outside "
@@ -173,8 +170,7 @@ class Plan:
                 "inside `with graphprune.track():`."
             )
             return
-        else:
-            freed = 0
+        freed = self.report_args["bytes_freed"]
         total = self._graph_bytes
         if not self._pending or total == 0 or freed >= 0.1 * total:
             return
@@ -201,11 +197,8 @@ class Plan:
             (losses if part is not ALL or t.numel() == 1 else others).append((fn, nr, part, t))
         if not others:
             return None
-        supports: dict = {}
-        for fn, nr, part, _ in losses:
-            if _is_router(fn):
-                widen(supports.setdefault(fn, {}), nr, part)
-        by_losses = reach((fn for fn, *_ in losses), through_released=False, supports=supports)
+        by_losses = reach((fn for fn, *_ in losses), through_released=False,
+                          supports=_supports((fn, nr, part) for fn, nr, part, _ in losses))
         blocked = [n for n in self.protected if n in self.reach and n not in by_losses]
         if not blocked:
             return None
@@ -214,7 +207,7 @@ class Plan:
         blocked_set = set(blocked)
         for fn, _, _, t in others:
             if not blocked_set.isdisjoint(reach([fn], through_released=False)):
-                culprits.append(_pending_text(t, ALL).replace(", not backpropagated yet", ""))
+                culprits.append(_tensor_text(t, ALL))
         return culprits, unique_bytes(handles)
 
     def _guard_reason(self, index: int) -> str:
@@ -285,11 +278,19 @@ class Plan:
         self._mark_released(ran, reason)
 
 
-def _start(supports: dict, t: torch.Tensor, support) -> None:
-    """Start a walk at ``t``'s output of its ``grad_fn``, with ``support``."""
-    fn = t.grad_fn
-    if _is_router(fn):
-        widen(supports.setdefault(fn, {}), t.output_nr, support)
+def _supports(starts) -> dict:
+    """Where a walk starts on its routing roots: ``{node: {output number: support}}``
+    from ``(node, output number, support)`` triples (other nodes start whole)."""
+    out: dict = {}
+    for fn, nr, support in starts:
+        if _is_router(fn):
+            widen(out.setdefault(fn, {}), nr, support)
+    return out
+
+
+def _size_along(t: torch.Tensor, support) -> int:
+    """``t``'s size along a partial support's dim (0 for ``ALL`` or ``NOTHING``)."""
+    return t.shape[support[0]] if support else 0
 
 
 def _split_live(ys, reached: dict, supports: dict) -> tuple[list, list]:
@@ -313,29 +314,25 @@ def _split_live(ys, reached: dict, supports: dict) -> tuple[list, list]:
             finished.append((fn, nr, now, t))
         before = done.get(nr, NOTHING) if done else NOTHING
         total = merge(before, now)
-        left = complement(total, t.shape[total[0]] if total else 0)
+        left = complement(total, _size_along(t, total))
         if left != NOTHING:
             pending.append((fn, nr, left, t))
     return finished, pending
 
 
-def _pending_text(t: torch.Tensor, part) -> str:
-    """``loss2 (tensor of shape (), ..., created at train.py:31), not backpropagated yet``."""
+def _tensor_text(t: torch.Tensor, part) -> str:
+    """``loss2 (tensor of shape (), ..., created at train.py:31)``: ``part`` of ``t``,
+    by the name the user's code has for it where it has one."""
     name = _outputs.name_in_frames(t)
     if name is not None:
-        what = index_text(name, part, t.shape[part[0]] if part else 0)
+        what = index_text(name, part, _size_along(t, part))
     else:
         what = "the live tensor" if part is ALL else "entries of the live tensor"
-    return f"{what} ({_outputs.describe(t)}), not backpropagated yet"
+    return f"{what} ({_outputs.describe(t)})"
 
 
-def _keep_outputs(keep) -> list[tuple[Node, int]]:
-    items = list(keep) if isinstance(keep, (list, tuple)) else [keep]
-    out = []
-    for k in items:
-        if isinstance(k, torch.Tensor) and k.grad_fn is not None:
-            out.append((k.grad_fn, k.output_nr))
-    return out
+def _pending_text(t: torch.Tensor, part) -> str:
+    return f"{_tensor_text(t, part)}, not backpropagated yet"
 
 
 def _candidates(finished: list, pending: list) -> list:
@@ -360,17 +357,16 @@ class Release:
     def __str__(self) -> str:
         return self.text
 
-    def __add__(self, other: str) -> str:
-        return self.text + other
-
     def hint(self, node) -> str | None:
         """What ``keep=`` would have kept ``node``: of the live tensors whose graph
         reaches it, one that no pass had run through (a later pass more likely starts
         there), nearest to it."""
+        if node is None:
+            return None
         best = None
         for ref, part, done in self._candidates:
             t = ref()
-            if t is None or node is None:
+            if t is None:
                 continue
             found = _part_reaching(t, part, node)
             if found is not None and (best is None or (done, found[0]) < (best[3], best[0])):
@@ -379,7 +375,7 @@ class Release:
             return None
         _, t, part, done = best
         name = _outputs.name_in_frames(t) or "x"
-        what = index_text(name, part, t.shape[part[0]] if part else 0)
+        what = index_text(name, part, _size_along(t, part))
         why = " (the pass it followed had run through it)" if done else ""
         return (
             f"The graph of {what} ({_outputs.describe(t)}) reaches this node, and that call "
@@ -402,12 +398,7 @@ def _part_reaching(t: torch.Tensor, part, node):
         if node in walked:
             hits.append(piece)
             size = max(size, len(walked))
-    if not hits:
-        return None
-    merged = hits[0]
-    for piece in hits[1:]:
-        merged = merge(merged, piece)
-    return size, merged
+    return (size, functools.reduce(merge, hits)) if hits else None
 
 
 def _note_task(task: list, grad_outputs) -> None:

@@ -25,16 +25,29 @@ def _leaf_grads(outputs: list[torch.Tensor], inputs) -> list[torch.Tensor]:
     return [t.grad for t in leaves if t.grad is not None]
 
 
-def _run(plan: Plan, pass_fn):
-    """Run ``pass_fn`` (retaining the graph), freeing ``plan``'s branch as it goes."""
-    plan.arm()
-    try:
+def _pass_and_prune(call: str, outputs, arg: str, keep, retain_graph, create_graph: bool, pass_fn, made):
+    """Run ``pass_fn`` (a pass from ``outputs`` that retains the graph) and free the
+    branch: as the pass goes, or after it with ``create_graph=True`` (the gradients'
+    graphs, ``made(result)``, lead back into the branch and are protected). Return the
+    pass's result and the report (also :func:`last_report`'s)."""
+    keep = _keep_for(call, keep, retain_graph, outputs)
+    if create_graph:
+        as_outputs(outputs, call, arg)
         result = pass_fn()
-    except BaseException:
-        plan.abandon()
-        raise
-    plan.release()
-    return result
+        plan = Plan(call, outputs, keep, arg=arg, extra=made(result))
+        plan.release()
+    else:
+        plan = Plan(call, outputs, keep, arg=arg)
+        plan.arm()
+        try:
+            result = pass_fn()
+        except BaseException:
+            plan.abandon()
+            raise
+        plan.release()
+    if retain_graph is None:
+        plan.warn(call)
+    return result, _remember(plan.report(call, dry_run=False), retain_graph)
 
 
 def prune_after(y: torch.Tensor | Sequence[torch.Tensor], keep=None) -> PruneReport:
@@ -140,20 +153,16 @@ def backward(
         tensor([17.4964, 17.4964, 17.4964, 17.4964])
     """
     call = "graphprune.backward"
-    keep = _keep_for(call, keep, retain_graph, tensors)
-    if create_graph:  # the gradients' graphs lead back into the branch: prune after
-        outputs = as_outputs(tensors, call, "tensors")
-        torch.autograd.backward(tensors, grad_tensors, retain_graph=True, create_graph=True, inputs=inputs)
-        plan = Plan(call, tensors, keep, arg="tensors", extra=_leaf_grads(outputs, inputs))
-        plan.release()
-        plan.warn(call)
-        return _remember(plan.report(call, dry_run=False), retain_graph)
-    plan = Plan(call, tensors, keep, arg="tensors")
-    report = plan.report(call, dry_run=False)
-    _run(plan, lambda: torch.autograd.backward(tensors, grad_tensors, retain_graph=True, inputs=inputs))
-    if retain_graph is None:
-        plan.warn(call)
-    return _remember(report, retain_graph)
+
+    def pass_fn():
+        torch.autograd.backward(
+            tensors, grad_tensors, retain_graph=True, create_graph=create_graph, inputs=inputs
+        )
+
+    def made(_):
+        return _leaf_grads(as_outputs(tensors, call, "tensors"), inputs)
+
+    return _pass_and_prune(call, tensors, "tensors", keep, retain_graph, create_graph, pass_fn, made)[1]
 
 
 def grad(
@@ -186,7 +195,6 @@ def grad(
         {'MulBackward0': 1}
     """
     call = "graphprune.grad"
-    keep = _keep_for(call, keep, retain_graph, outputs)
 
     def pass_fn():
         return torch.autograd.grad(
@@ -200,20 +208,9 @@ def grad(
             materialize_grads=materialize_grads,
         )
 
-    if create_graph:
-        as_outputs(outputs, call, "outputs")
-        result = pass_fn()
-        plan = Plan(call, outputs, keep, arg="outputs", extra=result)
-        plan.release()
-        plan.warn(call)
-        _remember(plan.report(call, dry_run=False), retain_graph)
-        return result
-    plan = Plan(call, outputs, keep, arg="outputs")
-    report = plan.report(call, dry_run=False)
-    result = _run(plan, pass_fn)
-    if retain_graph is None:
-        plan.warn(call)
-    _remember(report, retain_graph)
+    result, _ = _pass_and_prune(
+        call, outputs, "outputs", keep, retain_graph, create_graph, pass_fn, made=lambda gradients: gradients
+    )
     return result
 
 

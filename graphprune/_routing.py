@@ -28,7 +28,7 @@ from typing import Callable
 import torch
 
 __all__ = [
-    "ALL", "NOTHING", "BY_TYPE", "WRITTEN", "rule_for", "merge", "widen", "every_output", "complement",
+    "ALL", "NOTHING", "WRITTEN", "rule_for", "merge", "widen", "every_output", "complement",
     "stamp_setitem", "index_text",
 ]
 
@@ -91,6 +91,18 @@ def _edges(node) -> list:
     return [(c, nr) for c, nr in node.next_functions if c is not None]
 
 
+def _every_child(node) -> list:
+    """Every child, with ``ALL``: what a node that does not route passes on."""
+    return [(c, nr, ALL) for c, nr in _edges(node)]
+
+
+def _along(supports: dict, d: int):
+    """The indices along ``d`` where output 0's support may be non-zero, or ``None``
+    when it is not constrained along ``d``."""
+    incoming = supports.get(0, ALL)
+    return None if incoming is ALL or incoming[0] != d else incoming[1]
+
+
 def _out_ndim(node, nr: int = 0) -> int:
     return len(node._input_metadata[nr].shape)
 
@@ -106,9 +118,9 @@ def _slice(node, supports):
     d = _dim(node._saved_dim, len(sizes))
     bounds = slice(_signed(node._saved_start), _signed(node._saved_end), node._saved_step)
     picked = range(*bounds.indices(sizes[d]))
-    incoming = supports.get(0, ALL)
-    if incoming is not ALL and incoming[0] == d:
-        indices = frozenset(picked[i] for i in incoming[1] if i < len(picked))
+    incoming = _along(supports, d)
+    if incoming is not None:
+        indices = frozenset(picked[i] for i in incoming if i < len(picked))
     else:
         indices = frozenset(picked)
     return [(c, nr, (d, indices)) for c, nr in _edges(node)] if indices else []
@@ -133,24 +145,22 @@ def _split(node, supports):
 
 
 def _stack(node, supports):
-    d = _dim(node._saved_dim, _out_ndim(node))
-    incoming = supports.get(0, ALL)
-    pairs = list(node.next_functions)
-    if incoming is ALL or incoming[0] != d:
-        return [(c, nr, ALL) for c, nr in pairs if c is not None]
-    return [(c, nr, ALL) for i, (c, nr) in enumerate(pairs) if c is not None and i in incoming[1]]
+    incoming = _along(supports, _dim(node._saved_dim, _out_ndim(node)))
+    if incoming is None:
+        return _every_child(node)
+    return [(c, nr, ALL) for i, (c, nr) in enumerate(node.next_functions) if c is not None and i in incoming]
 
 
 def _cat(node, supports):
     d = _dim(node._saved_dim, _out_ndim(node))
-    incoming = supports.get(0, ALL)
-    pairs = list(node.next_functions)
-    if incoming is ALL or incoming[0] != d or any(c is None for c, _ in pairs):
-        return [(c, nr, ALL) for c, nr in pairs if c is not None]
+    incoming = _along(supports, d)
+    pairs = node.next_functions
+    if incoming is None or any(c is None for c, _ in pairs):  # an input's size is unknown
+        return _every_child(node)
     out, start = [], 0
     for c, nr in pairs:
         n = c._input_metadata[nr].shape[d]
-        part = frozenset(i - start for i in incoming[1] if start <= i < start + n)
+        part = frozenset(i - start for i in incoming if start <= i < start + n)
         if part:
             out.append((c, nr, (d, part)))
         start += n
@@ -159,13 +169,13 @@ def _cat(node, supports):
 
 def _copy_slices(node, supports):
     written = node.metadata.get(WRITTEN)
-    pairs = list(node.next_functions)
     if written is None:
-        return [(c, nr, ALL) for c, nr in pairs if c is not None]
+        return _every_child(node)
     d, indices, size = written
-    incoming = supports.get(0, ALL)
-    wanted = frozenset(range(size)) if incoming is ALL or incoming[0] != d else incoming[1]
+    incoming = _along(supports, d)
+    wanted = frozenset(range(size)) if incoming is None else incoming
     out = []
+    pairs = node.next_functions
     (base, base_nr), rest = pairs[0], pairs[1:]
     kept = wanted - indices  # the base's gradient is zero where the write landed
     if base is not None and kept:
@@ -185,15 +195,15 @@ _RULES: dict[str, Callable] = {
     "CatBackward0": _cat,
     "CopySlices": _copy_slices,
 }
-BY_TYPE: dict[type, Callable | None] = {}  # filled by rule_for
+_BY_TYPE: dict[type, Callable | None] = {}  # filled by rule_for
 
 
 def rule_for(node_type: type) -> Callable | None:
     """The routing rule of a node type, or ``None`` (every child gets ``ALL``)."""
     try:
-        return BY_TYPE[node_type]
+        return _BY_TYPE[node_type]
     except KeyError:
-        rule = BY_TYPE[node_type] = _safe(_RULES.get(node_type.__name__.rsplit("::", 1)[-1]))
+        rule = _BY_TYPE[node_type] = _safe(_RULES.get(node_type.__name__.rsplit("::", 1)[-1]))
         return rule
 
 
@@ -205,7 +215,7 @@ def _safe(rule):
         try:
             return rule(node, supports)
         except (RuntimeError, AttributeError, IndexError, TypeError, ValueError, ZeroDivisionError):
-            return [(c, nr, ALL) for c, nr in _edges(node)]  # what it needs is unreadable
+            return _every_child(node)  # what it needs is unreadable
 
     return routed
 
