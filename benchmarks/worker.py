@@ -167,7 +167,7 @@ def run_job(job: dict) -> dict:
         gc.collect()
 
         def step(ck):
-            return W.floor_step(model, floor_head, ck)
+            return W.floor_step(model, floor_head, ck, rows=cfg["mode"] == "pcgrad")
 
     else:
 

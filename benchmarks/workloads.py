@@ -35,6 +35,7 @@ STRATEGIES = [
     "checkpoint",
     "gp_prune",
     "gp_backward",
+    "gp_each",
 ]
 SEED_STRATEGIES = [
     "seed_2fwd_2bwd",
@@ -60,6 +61,11 @@ DESCRIPTION = {
     "mode only, since a head built after the prune needs `keep=x`",
     "gp_backward": "under `graphprune.track()`: `graphprune.backward(loss, keep=x)` "
     "(`graphprune.grad` in pcgrad mode); plain backward for the last loss",
+    "gp_each": "`graphprune.backward_each` (`graphprune.grads_each` in pcgrad mode), no `keep=`: lazy "
+    "modes (and pcgrad) pass each head as a callable, built when its turn comes; eager mode passes the "
+    "losses. backward_each runs each head down to where it meets the trunk and the trunk once",
+    "torchjd": "torchjd 0.18: heads built first, `mtl_backward(losses, features)` (a vmapped Jacobian "
+    "of the shared parameters), then `jac_to_grad(shared, PCGrad())`; pcgrad mode only",
     "seed_2fwd_2bwd": "seed func1: `loss1(model(x)).backward(); loss2(model(x)).backward()`",
     "seed_2fwd_summed": "seed func2: `(loss1(model(x)) + loss2(model(x))).backward()`",
     "seed_2fwd_2bwd_retained": "seed func3: as func1 with `retain_graph=True`",
@@ -237,6 +243,11 @@ def _pcgrad(flats: list[torch.Tensor]) -> torch.Tensor:
     return out
 
 
+def _task_grads(grad, loss, inputs, **kw):
+    """A head tapping the trunk early leaves the deeper blocks' parameters unused: zeros."""
+    return grad(loss, inputs, allow_unused=True, materialize_grads=True, **kw)
+
+
 def _store_task_grads(model, k, grads, flats):
     n = len(model.shared)
     flats.append(torch.cat([g.reshape(-1) for g in grads[:n]]))
@@ -278,7 +289,7 @@ def run_step(model: Model, strategy: str, mode: str, ck) -> dict:
             y, loss = head(k, feats)
             ck(f"head{n}")
             if mode == "pcgrad":
-                _store_task_grads(model, k, torch.autograd.grad(loss, task_inputs(k)), flats)
+                _store_task_grads(model, k, _task_grads(torch.autograd.grad, loss, task_inputs(k)), flats)
             else:
                 loss.backward()
             logs.append(loss)
@@ -307,6 +318,10 @@ def run_step(model: Model, strategy: str, mode: str, ck) -> dict:
 
     if strategy == "manual_cut":
         return _manual_cut(model, mode, ck)
+    if strategy == "gp_each":
+        return _gp_each(model, mode, ck)
+    if strategy == "torchjd":
+        return _torchjd(model, mode, ck)
 
     tracked = strategy in ("gp_prune", "gp_backward", "gp_prune_auto")
     kind = "checkpoint" if strategy == "checkpoint" else "plain"
@@ -331,9 +346,9 @@ def run_step(model: Model, strategy: str, mode: str, ck) -> dict:
         keep = _keep(model, feats, order[n + 1 :])
         if mode == "pcgrad":
             if strategy == "gp_backward" and not last:
-                grads = gp.grad(loss, task_inputs(k), keep=keep)
+                grads = _task_grads(gp.grad, loss, task_inputs(k), keep=keep)
             else:
-                grads = torch.autograd.grad(loss, task_inputs(k), retain_graph=retain)
+                grads = _task_grads(torch.autograd.grad, loss, task_inputs(k), retain_graph=retain)
             _store_task_grads(model, k, grads, flats)
             del grads
         elif strategy == "gp_backward" and not last:
@@ -360,6 +375,70 @@ def run_step(model: Model, strategy: str, mode: str, ck) -> dict:
         _finish_pcgrad(model, flats)
     ck("end")
     return {"logs": logs, "outs": outs}
+
+
+def _gp_each(model: Model, mode: str, ck) -> dict:
+    order = model.order
+    logs, outs = [], []
+    with gp.track():
+        feats, _ = _trunk(model)
+    ck("fwd")
+
+    def build(k):
+        def loss():
+            y, loss_k = model.heads[k](feats[model.taps[k]], model.inp)
+            logs.append(loss_k)
+            outs.append(y)
+            return loss_k
+        return loss
+
+    if mode == "eager":
+        with gp.track():
+            losses = [build(k)() for k in order]
+        ck("heads")
+        gp.backward_each(losses)
+    elif mode == "pcgrad":
+        heads_p = [list(model.heads[k].parameters()) for k in order]
+        inputs = model.shared + [p for ps in heads_p for p in ps]
+        rows = gp.grads_each([build(k) for k in order], inputs, allow_unused=True, materialize_grads=True)
+        flats, n, off = [], len(model.shared), len(model.shared)
+        for i, (k, ps) in enumerate(zip(order, heads_p)):
+            row, rows[i] = rows[i], None
+            _store_task_grads(model, k, list(row[:n]) + list(row[off:off + len(ps)]), flats)
+            off += len(ps)
+            del row
+        del rows
+        _finish_pcgrad(model, flats)
+    else:
+        gp.backward_each([build(k) for k in order])
+    ck("bwd")
+    ck("end")
+    return {"logs": logs, "outs": outs}
+
+
+def _torchjd(model: Model, mode: str, ck) -> dict:
+    if mode != "pcgrad":
+        raise NotApplicable("torchjd's mtl_backward gives per-task Jacobians: pcgrad mode")
+    try:
+        from torchjd.aggregation import PCGrad
+        from torchjd.autojac import jac_to_grad, mtl_backward
+    except ImportError as e:
+        raise NotApplicable("torchjd is not installed (pip install -e .[bench])") from e
+    if len(set(model.taps)) > 1:
+        raise NotApplicable("mtl_backward takes the last shared representation: one tap depth")
+    order = model.order
+    feats, _ = _trunk(model)
+    ck("fwd")
+    pairs = [model.heads[k](feats[model.taps[k]], model.inp) for k in order]
+    ck("heads")
+    features = [feats[t] for t in sorted({model.taps[k] for k in order})]
+    mtl_backward([loss for _, loss in pairs], features,
+                 tasks_params=[list(model.heads[k].parameters()) for k in order],
+                 shared_params=model.shared)
+    ck("bwd")
+    jac_to_grad(model.shared, PCGrad())
+    ck("end")
+    return {"logs": [loss for _, loss in pairs], "outs": [y for y, _ in pairs]}
 
 
 def _manual_cut(model: Model, mode: str, ck) -> dict:
@@ -438,8 +517,11 @@ def _seed_step(model: Model, strategy: str, ck) -> dict:
     return {"logs": logs, "outs": []}
 
 
-def floor_step(model: Model, k: int, ck) -> dict:
-    """The probe behind the floor: the whole trunk and head ``k`` only, one plain pass."""
+def floor_step(model: Model, k: int, ck, rows: bool = False) -> dict:
+    """The probe behind the floor: the whole trunk and head ``k`` only, one plain pass.
+    With ``rows`` (pcgrad mode) it also holds what any per-task method must: one
+    flattened gradient of the shared parameters per task."""
+    held = [torch.zeros(sum(p.numel() for p in model.shared)) for _ in model.heads] if rows else []
     feats, _ = _trunk(model)
     ck("fwd")
     y, loss = model.heads[k](feats[model.taps[k]], model.inp)
@@ -447,7 +529,7 @@ def floor_step(model: Model, k: int, ck) -> dict:
     loss.backward()
     ck("bwd")
     ck("end")
-    return {"logs": [loss], "outs": [y]}
+    return {"logs": [loss], "outs": [y], "rows": held}
 
 
 def graph_accounting(model: Model) -> dict:
@@ -518,8 +600,10 @@ def configs(level: str) -> list[dict]:
     out.append(dict(workload="eager", mode="eager", k=4, unequal=False,
                     strategies=STRATEGIES + ["gp_prune_auto"]))
     out.append(dict(workload="pcgrad", mode="pcgrad", k=4, unequal=False,
-                    strategies=[s for s in STRATEGIES if s != "summed"]))
+                    strategies=[s for s in STRATEGIES if s != "summed"] + ["torchjd"]))
     out.append(dict(workload="depth", mode="lazy", k=5, unequal=False, strategies=STRATEGIES))
+    out.append(dict(workload="depth", mode="pcgrad", k=5, unequal=False,  # no single cut: 5 tap depths
+                    strategies=["retain", "recompute", "gp_backward", "gp_each"]))
     return out
 
 
@@ -527,7 +611,7 @@ def config_name(cfg: dict) -> str:
     if cfg["workload"] == "seed":
         return "seed"
     if cfg["workload"] == "depth":
-        return "depth"
+        return "depth" if cfg["mode"] == "lazy" else f"depth-{cfg['mode']}"
     return f"{cfg['workload']}-K{cfg['k']}-{'unequal' if cfg['unequal'] else 'equal'}"
 
 

@@ -12,6 +12,7 @@ finished output alone needs::
 
 from importlib.metadata import PackageNotFoundError, version
 
+from ._each import backward_each, grads_each
 from ._prune import backward, explain, grad, last_report, prune_after
 from ._report import KeptReason, PruneReport
 from ._tape import Tape, track
@@ -29,6 +30,8 @@ __all__ = [
     "explain",
     "backward",
     "grad",
+    "backward_each",
+    "grads_each",
     "last_report",
     "PruneReport",
     "KeptReason",

@@ -179,11 +179,31 @@ def name_in_frames(t: torch.Tensor, frames: int = 3) -> str | None:
     while frame is not None and seen < frames:
         if not _inside_library(frame.f_code):
             seen += 1
-            found = _name_in(t, frame.f_locals)
+            found = _name_in(t, _locals_of(frame))
             if found is not None:
                 return found
         frame = frame.f_back
     return None
+
+
+_SNAPSHOTS = sys.version_info < (3, 13)  # PEP 667: from 3.13 f_locals is a view, no copy
+_CO_OPTIMIZED = 0x1
+
+
+def _locals_of(frame) -> dict:
+    """A copy of ``frame``'s locals that leaves nothing behind.
+
+    Before Python 3.13, ``frame.f_locals`` of a function's frame copies its locals into
+    a dict the frame keeps until it ends: a tensor the function then ``del``s would
+    stay alive through it (its memory, and the graph it holds). So the copy is taken
+    and the frame's dict emptied; the next reader (a debugger, ``locals()``) refills it.
+    """
+    if not (_SNAPSHOTS and frame.f_code.co_flags & _CO_OPTIMIZED):
+        return frame.f_locals
+    snapshot = frame.f_locals
+    mine = dict(snapshot)
+    snapshot.clear()
+    return mine
 
 
 def _name_in(t: torch.Tensor, local_vars) -> str | None:

@@ -13,7 +13,7 @@ from torch.autograd.graph import Node
 from . import _outputs
 from ._graph import FOREIGN, TRACKED, UNTRACKED, _is_router, name, reach, saved
 from ._marks import FINISHED, RELEASED
-from ._report import KeptReason, PruneReport, exclusive_bytes, format_bytes, unique_bytes
+from ._report import KeptReason, PruneReport, exclusive_bytes, held_elsewhere, unique_bytes
 from ._routing import ALL, NOTHING, complement, index_text, merge, widen
 from ._saved import SavedHandle
 from ._warn import warn_at_caller
@@ -78,43 +78,54 @@ class Plan:
     """The partition of the graph behind ``outputs`` into kept and released nodes.
 
     NOTE [ What keep=None protects ]
-    A later backward pass starts at an output that no pass has run through yet. So
-    ``keep=None`` protects the graphs of the live tracked tensors that the pruned
-    outputs' graph does not contain (outputs nobody has backpropagated: the other
-    heads' losses, a stacked ``losses`` tensor's other entries); a live tensor inside
-    it (logits in a local, a module's ``.loss``, the trunk's output ``x``) is
-    finished, unless ``keep=`` names it, and stays finished for later prunes. Where
-    the pruned output is a slice of a live tensor (``losses[0]``), that tensor is
-    finished only on that slice (NOTE [ Gradient routing ] in ``_routing.py``).
+    A later backward pass starts at a loss that no pass has run through yet. So
+    ``keep=None`` protects the graphs of the live tracked losses that the pruned
+    outputs' graph does not contain: the other heads' scalar losses, and the entries
+    no pass has run through of the losses gathered into one 1-d tensor (a ``stack``,
+    ``cat`` or item-assigned ``losses``, or a slice of it: NOTE [ Gradient routing ]
+    in ``_routing.py``). Any other tensor of more than one element (logits or a feature held
+    for a metric, a hidden state carried to the next step, a module output) protects
+    nothing: no backward pass starts there unless ``keep=`` names it (the seed's
+    ``retain_graph=x``). A live tensor inside the pruned graph (a module's ``.loss``)
+    is finished, and stays finished for later prunes.
 
     ``extra`` are tensors protected besides ``keep`` (the gradients a
-    ``create_graph=True`` pass made, whose graphs lead back into the branch).
+    ``create_graph=True`` pass made, whose graphs lead back into the branch);
+    ``guards`` are ``(node, output number or None, reason)`` protected besides, and
+    ``edges`` are ``GradientEdge`` roots besides ``outputs`` (the per-loss helpers'
+    passes: a head down to where it meets the trunk, the trunk from there).
     """
 
-    def __init__(self, call: str, outputs, keep, arg: str = "y", extra=()):
-        ys = self.outputs = as_outputs(outputs, call, arg)
+    def __init__(self, call: str, outputs, keep, arg: str = "y", extra=(), guards=(), edges=()):
+        ys = self.outputs = [] if outputs is None and edges else as_outputs(outputs, call, arg)
         self._hooks: list = []
-        y_supports = _supports((t.grad_fn, t.output_nr, ALL) for t in ys)
-        self.reach = reach([t.grad_fn for t in ys], supports=y_supports)
+        tops = [(t.grad_fn, t.output_nr) for t in ys] + [(e.node, e.output_nr) for e in edges]
+        self._edge_nodes = [e.node for e in edges]
+        y_supports = _supports((fn, nr, ALL) for fn, nr in tops)
+        self.reach = reach([fn for fn, _ in tops], supports=y_supports)
         self.finished, pending = _split_live(ys, self.reach, y_supports)
         self._candidates = _candidates(self.finished, pending)
-        self.reason = Release(f"{call}({', '.join(_outputs.describe(t) for t in ys)})", self._candidates)
-        self._pending = pending if keep is None else []
+        what = [_outputs.describe(t) for t in ys] + [f"the gradient into {name(e.node)}" for e in edges]
+        self.reason = Release(f"{call}({', '.join(what)})", self._candidates)
         if keep is None:
-            guards = [(fn, functools.partial(_pending_text, t, part)) for fn, _, part, t in pending]
-            starts = [(fn, nr, part) for fn, nr, part, _ in pending]
+            losses = [p for p in pending if _may_start_a_pass(*p)]
+            protect = [(fn, functools.partial(_pending_text, t, part)) for fn, _, part, t in losses]
+            starts = [(fn, nr, part) for fn, nr, part, _ in losses]
         else:
             roots = _keep_roots(keep, call)
-            guards = [(fn, text) for fn, _, text in roots]
+            protect = [(fn, text) for fn, _, text in roots]
             starts = [(fn, nr, ALL) for fn, nr, _ in roots if nr is not None]
-        guards += [(t.grad_fn, "the graph of a gradient made with create_graph=True")
-                   for t in extra if t is not None and t.grad_fn is not None]
+        protect += [(t.grad_fn, "the graph of a gradient made with create_graph=True")
+                    for t in extra if t is not None and t.grad_fn is not None]
+        protect += [(fn, text) for fn, _, text in guards]
+        starts += [(fn, nr, ALL) for fn, nr, _ in guards if nr is not None]
+        guards = protect
         order = sorted(range(len(guards)), key=lambda i: guards[i][0] not in self.reach)  # nearest first
         self.protected = reach(
             (guards[i][0] for i in order), through_released=False, supports=_supports(starts)
         )
         self._guard_text = [guards[i][1] for i in order]
-        self.roots = [t.grad_fn for t in ys if t.grad_fn not in self.protected]
+        self.roots = [fn for fn, _ in tops if fn not in self.protected]
         self.handles_by_node, self.report_args = self._measure()
 
     def _measure(self) -> tuple[dict, dict]:
@@ -122,6 +133,7 @@ class Plan:
         released: collections.Counter = collections.Counter()
         by_node: dict = {}
         kept_by: dict[str, list[list[SavedHandle]]] = collections.defaultdict(list)
+        kept_nodes: dict[str, list] = collections.defaultdict(list)
         self._kinds: set = set()
         for node in self.reach:
             handles, kind = saved(node)
@@ -140,28 +152,30 @@ class Plan:
                     by_node[node] = live
                 continue
             kept_by[reason].append(live)
+            kept_nodes[reason].append(node)
         trunk = []
         kept = []
         spans: dict = {}
+        owned = _graph_owned(h for groups in kept_by.values() for live in groups for h in live)
         for reason, groups in kept_by.items():
-            held = [h for live in groups for h in live if not h.leaf]
+            held = [h for live in groups for h in live if not h.leaf or id(h.tensor) in owned]
             trunk += held
             unknown = reason in (_FOREIGN_REASON, _UNTRACKED_REASON)  # not graphprune's handles
-            kept.append(KeptReason(reason, len(groups), None if unknown else unique_bytes(held, spans)))
+            ids = frozenset(id(node) for node in kept_nodes[reason])
+            kept.append(KeptReason(reason, len(groups), None if unknown else unique_bytes(held, spans), ids))
         handles = [h for live in by_node.values() for h in live]
-        self._graph_bytes = unique_bytes(trunk + [h for h in handles if not h.leaf], spans)
         return by_node, dict(
             released_nodes=dict(released),
             released_tensors=len(handles),
             bytes_freed=exclusive_bytes(handles),
             bytes_kept=unique_bytes(trunk, spans),
             kept=tuple(kept),
+            released_ids=frozenset(id(node) for node in by_node),
         )
 
     def warn(self, call: str) -> None:
         """Warn (``GraphPruneWarning``, at the user's line) when this call cannot free
-        what it is for: a graph built outside ``track()``, or little freed because of
-        live tensors the user holds that no later pass starts from."""
+        anything: the graph was built outside ``track()``."""
         if not self.handles_by_node and TRACKED not in self._kinds and UNTRACKED in self._kinds:
             warn_at_caller(
                 f"{call}: nothing can be released: the graph of "
@@ -169,46 +183,6 @@ class Plan:
                 "graphprune.track(), so PyTorch holds its saved tensors. Run the forward "
                 "inside `with graphprune.track():`."
             )
-            return
-        freed = self.report_args["bytes_freed"]
-        total = self._graph_bytes
-        if not self._pending or total == 0 or freed >= 0.1 * total:
-            return
-        held = self._held_by_non_losses()
-        if held is None:
-            return
-        names, blocked = held
-        if blocked <= freed:
-            return
-        some = "; ".join(names[:3]) + (f"; and {len(names) - 3} more" if len(names) > 3 else "")
-        warn_at_caller(
-            f"{call} freed {format_bytes(freed)} of the {format_bytes(total)} its graph holds: "
-            f"{format_bytes(blocked)} stays for live tensors you hold that no backward pass has "
-            f"run through, and that are no loss: {some}. If no backward pass will start from "
-            "them, detach them (t = t.detach()) or del them before this call; or name what "
-            "later passes start from: keep=[later losses]."
-        )
-
-    def _held_by_non_losses(self):
-        """``(descriptions, bytes)`` of what only the pending tensors that are no loss
-        (more than one element, and no entries of a backpropagated tensor) protect."""
-        losses, others = [], []
-        for fn, nr, part, t in self._pending:
-            (losses if part is not ALL or t.numel() == 1 else others).append((fn, nr, part, t))
-        if not others:
-            return None
-        by_losses = reach((fn for fn, *_ in losses), through_released=False,
-                          supports=_supports((fn, nr, part) for fn, nr, part, _ in losses))
-        blocked = [n for n in self.protected if n in self.reach and n not in by_losses]
-        if not blocked:
-            return None
-        handles = [h for n in blocked for h in saved(n)[0] if h.tensor is not None and not h.leaf]
-        culprits = []
-        blocked_set = set(blocked)
-        for fn, _, _, t in others:
-            if not blocked_set.isdisjoint(reach([fn], through_released=False)):
-                culprits.append(_tensor_text(t, ALL))
-        return culprits, unique_bytes(handles)
 
     def _guard_reason(self, index: int) -> str:
         text = self._guard_text[index]
@@ -227,8 +201,8 @@ class Plan:
         (implicit layers) may run the node again."""
         task = [None]
         note = functools.partial(_note_task, task)
-        for t in self.outputs:
-            self._hooks.append(t.grad_fn.register_prehook(note))
+        for fn in {fn: None for fn in [t.grad_fn for t in self.outputs] + self._edge_nodes}:
+            self._hooks.append(fn.register_prehook(note))
         for node, live in self.handles_by_node.items():
             release = functools.partial(_release_after_run, live, self.reason, task)
             self._hooks.append(node.register_hook(release))
@@ -288,6 +262,24 @@ def _supports(starts) -> dict:
     return out
 
 
+def _graph_owned(handles) -> set[int]:
+    """``id``s of the tensors without a graph (a dropout mask, an RNN workspace: no
+    grad, no ``grad_fn``) that nothing but ``handles`` holds; parameters and inputs
+    the user holds are not the graph's memory."""
+    by_tensor: dict[int, list[SavedHandle]] = collections.defaultdict(list)
+    for h in handles:
+        if h.leaf and not h.tensor.requires_grad:
+            by_tensor[id(h.tensor)].append(h)
+    return {key for key, group in by_tensor.items() if not held_elsewhere(group)}
+
+
+def _may_start_a_pass(fn, nr, part, t: torch.Tensor) -> bool:
+    """A loss: a scalar; or losses gathered into one 1-d tensor (a ``stack``, ``cat`` or
+    item assignment, or a slice of one), or what is left of them after a pass took
+    some (NOTE [ What keep=None protects ])."""
+    return part is not ALL or t.numel() == 1 or (t.dim() == 1 and _is_router(fn))
+
+
 def _size_along(t: torch.Tensor, support) -> int:
     """``t``'s size along a partial support's dim (0 for ``ALL`` or ``NOTHING``)."""
     return t.shape[support[0]] if support else 0
@@ -299,9 +291,12 @@ def _split_live(ys, reached: dict, supports: dict) -> tuple[list, list]:
     (finished there), and those it did not or not wholly, with what is left of
     them (pending)."""
     finished, pending = [], []
-    for fn, t in _outputs.live_graphs(ys):
+    live = _outputs.live_graphs(ys)
+    done_whole = {id(t) for t in ys}
+    for fn, t in live:
         done = fn.metadata.get(FINISHED)
         if done is True:
+            done_whole.add(id(t))
             continue
         nr = t.output_nr
         if fn not in reached:
@@ -310,6 +305,8 @@ def _split_live(ys, reached: dict, supports: dict) -> tuple[list, list]:
             now = supports[fn].get(nr, NOTHING)
         else:
             now = ALL
+        if now is ALL:
+            done_whole.add(id(t))
         if now != NOTHING:
             finished.append((fn, nr, now, t))
         before = done.get(nr, NOTHING) if done else NOTHING
@@ -317,7 +314,24 @@ def _split_live(ys, reached: dict, supports: dict) -> tuple[list, list]:
         left = complement(total, _size_along(t, total))
         if left != NOTHING:
             pending.append((fn, nr, left, t))
-    return finished, pending
+    return finished, _one_per_storage(pending, finished, done_whole)
+
+
+def _one_per_storage(pending: list, finished: list, done_whole: set) -> list:
+    """NOTE [ Views of one tensor ]: a view is its base's data under another shape
+    (``flat = logits.view(-1)`` for logging). Where the base is finished, so is a
+    view of it held besides (moved to ``finished``); where the base is pending too,
+    the base alone protects and is named, so one tensor is not listed twice."""
+    pending_whole = {id(t) for _, _, part, t in pending if part is ALL}
+    out = []
+    for entry in pending:
+        fn, nr, part, t = entry
+        base = t._base if part is ALL else None
+        if base is not None and id(base) in done_whole:
+            finished.append(entry)
+        elif base is None or id(base) not in pending_whole:
+            out.append(entry)
+    return out
 
 
 def _tensor_text(t: torch.Tensor, part) -> str:

@@ -240,7 +240,7 @@ def _keep_for(call: str, keep, retain_graph, outputs):
 def _remember(report: PruneReport, retain_graph=None) -> PruneReport:
     if retain_graph:
         held = (KeptReason("retain_graph=True keeps the whole graph", sum(r.nodes for r in report.kept),
-                           report.bytes_kept),)
+                           report.bytes_kept, frozenset().union(*(r.node_ids for r in report.kept))),)
         report = dataclasses.replace(report, kept=held)
     _last.report = report
     return report

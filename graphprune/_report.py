@@ -14,7 +14,10 @@ from ._marks import RELEASED
 from ._outputs import live_roots
 from ._saved import SavedHandle, storage_of
 
-__all__ = ["PruneReport", "KeptReason", "unique_bytes", "exclusive_bytes", "format_bytes", "snapshot"]
+__all__ = [
+    "PruneReport", "KeptReason", "unique_bytes", "exclusive_bytes", "held_elsewhere", "format_bytes",
+    "snapshot",
+]
 
 
 def unique_bytes(handles: list[SavedHandle], spans: dict | None = None) -> int:
@@ -38,10 +41,10 @@ def exclusive_bytes(handles: list[SavedHandle]) -> int:
         key, nbytes = storage_of(h)
         sizes[key] = max(nbytes, sizes.get(key, 0))
         by_storage[key].append(h)
-    return sum(sizes[key] for key, group in by_storage.items() if not _held_elsewhere(group))
+    return sum(sizes[key] for key, group in by_storage.items() if not held_elsewhere(group))
 
 
-def _held_elsewhere(group: list[SavedHandle]) -> bool:
+def held_elsewhere(group: list[SavedHandle]) -> bool:
     """Whether anything but ``group`` uses the storage its handles share: another
     reference to a tensor a handle holds as it is (a leaf: a parameter, an input), or
     another tensor on the storage (the output a handle's detached alias came from)."""
@@ -66,6 +69,7 @@ class KeptReason:
     reason: str
     nodes: int
     saved_bytes: int | None  # None: held by PyTorch or other hooks, not measured
+    node_ids: frozenset[int] = field(default=frozenset(), repr=False, compare=False)
 
     def __str__(self) -> str:
         held = "bytes unknown" if self.saved_bytes is None else format_bytes(self.saved_bytes)
@@ -79,7 +83,12 @@ class PruneReport:
 
     Byte counts are of unique storages: ``bytes_freed`` counts only storages that
     nothing but the released handles used, ``bytes_kept`` the storages the kept part
-    of the graph (the trunk) still holds, leaves (parameters, inputs) left out.
+    of the graph (the trunk) still holds: what it saved, and the tensors without a
+    graph that only it holds (dropout masks, RNN workspaces); parameters and inputs
+    that something else holds left out.
+
+    ``released_ids`` and each :class:`KeptReason`'s ``node_ids`` are the nodes' ids
+    as :meth:`Tape.graph` numbers them (``id`` of the ``grad_fn``), to colour it by.
     """
 
     call: str
@@ -89,6 +98,8 @@ class PruneReport:
     bytes_freed: int
     bytes_kept: int
     kept: tuple[KeptReason, ...] = field(default=())
+    released_ids: frozenset[int] = field(default=frozenset(), repr=False, compare=False)
+    strategy: str | None = None  # how a per-loss helper ran its passes
 
     @property
     def released_node_count(self) -> int:
@@ -104,6 +115,8 @@ class PruneReport:
             f"  kept by the trunk: {format_bytes(self.bytes_kept)}",
         ]
         lines += [f"  kept {r}" for r in self.kept]
+        if self.strategy:
+            lines.append(f"  strategy: {self.strategy}")
         return "\n".join(lines)
 
 

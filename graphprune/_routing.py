@@ -28,7 +28,7 @@ from typing import Callable
 import torch
 
 __all__ = [
-    "ALL", "NOTHING", "WRITTEN", "rule_for", "merge", "widen", "every_output", "complement",
+    "ALL", "NOTHING", "WRITTEN", "rule_for", "merge", "widen", "overlap", "every_output", "complement",
     "stamp_setitem", "index_text",
 ]
 
@@ -57,6 +57,15 @@ def widen(supports: dict, nr: int, support) -> bool:
         return False
     supports[nr] = new
     return True
+
+
+def overlap(a, b) -> bool:
+    """Whether two supports share an element (different dims: assume they do)."""
+    if a == NOTHING or b == NOTHING:
+        return False
+    if a is ALL or b is ALL or a[0] != b[0]:
+        return True
+    return not a[1].isdisjoint(b[1])
 
 
 def every_output(node) -> dict:

@@ -27,12 +27,12 @@ def warn_at_caller(message: str) -> None:
         warnings.warn(message, GraphPruneWarning, stacklevel=2)
         return
     module_globals = frame.f_globals
-    warnings.warn_explicit(
-        message,
-        GraphPruneWarning,
-        frame.f_code.co_filename,
-        frame.f_lineno,
+    where = dict(
         module=module_globals.get("__name__", "<unknown>"),
         registry=module_globals.setdefault("__warningregistry__", {}),
-        module_globals=module_globals,
     )
+    try:  # module_globals: the line's source, through the module's loader
+        warnings.warn_explicit(message, GraphPruneWarning, frame.f_code.co_filename, frame.f_lineno,
+                               module_globals=module_globals, **where)
+    except ImportError:  # `python -c`, stdin: __main__'s loader has no source to give
+        warnings.warn_explicit(message, GraphPruneWarning, frame.f_code.co_filename, frame.f_lineno, **where)

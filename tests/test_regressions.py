@@ -1,5 +1,7 @@
 """One test per bug found in review, named after what it guards."""
 
+import subprocess
+import sys
 import threading
 import weakref
 
@@ -413,3 +415,28 @@ def test_other_hooks_that_keep_tensors_are_named_in_the_report():
         y = z.sin().sum()
     report = gp.explain(y, keep=x)
     assert any("saved-tensor hooks that keep tensors" in k.reason for k in report.kept)
+
+
+def test_naming_a_tensor_in_a_message_does_not_keep_a_function_local_alive():
+    w = torch.randn(4096, requires_grad=True)
+
+    def step():
+        with gp.track():
+            x = w.exp()
+            y1, y2 = x.sin().sum(), x.cos().sum()
+        gp.explain(y1)  # reads this frame's locals to name y2 in the report
+        ref = weakref.ref(x)
+        del x
+        return ref() is None and y2.requires_grad  # before the frame (and a copy of its locals) ends
+
+    assert step()
+
+
+def test_warning_under_python_c_and_stdin_is_printed_not_an_import_error():
+    source = ("import torch, graphprune as gp\nw = torch.ones(3, requires_grad=True)\n"
+              "gp.backward(w.exp().sum())\n")
+    for argv, stdin in ((["-c", source], None), (["-"], source)):
+        proc = subprocess.run([sys.executable, *argv], input=stdin, capture_output=True, text=True,
+                              timeout=120)
+        assert proc.returncode == 0, proc.stderr
+        assert "GraphPruneWarning: graphprune.backward: nothing can be released" in proc.stderr

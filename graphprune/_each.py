@@ -1,0 +1,352 @@
+"""One pass per loss: ``backward_each`` and ``grads_each``.
+
+NOTE [ Heads, the trunk, and the cut ]
+Multi-task code backpropagates T losses that share a trunk, one at a time. Each
+loss's graph splits in two: its *head*, the nodes no other loss reaches, and the
+*trunk*, the nodes several losses reach. Where the head meets the trunk is its
+*cut*: the edges from head nodes into trunk nodes.
+
+- Losses given as tensors (heads built together): a node is in the trunk when two
+  losses reach it; through a routing node (``torch.stack``, ``losses[i] = l_i``,
+  NOTE [ Gradient routing ]) only when their gradients can meet in it.
+- Losses given as callables (heads built one at a time, each after the previous
+  pass): a head is what its callable built, told by the nodes' sequence numbers
+  (increasing per thread); the trunk is what existed before.
+
+``backward_each`` needs only the sum of the losses' gradients, so it runs each
+head's pass down to its cut (freeing the head as it goes), keeps the gradients that
+arrive there, and runs the trunk once from their sums: the time and memory of the
+hand-written ``x.detach().requires_grad_()`` split, with no change to the model, and
+on graphs with no single split point (heads tapping several trunk depths) too.
+
+The cut must let each node's backward run exactly once over all passes. A head's
+pass (``torch.autograd.grad`` to the cut) runs every node with a path to a cut node,
+so the cut is taken below the *upper* part of the head's graph, the part its pass
+runs: the *lower* part is downward closed (the trunk, every leaf, what they reach),
+no node of it has parents on both sides (a node of the head feeding a trunk node
+that another trunk node feeds too is moved down, with what it reaches), and the cut
+is where the upper part's edges enter it. Every leaf is in the lower part: a
+parameter the upper part alone feeds has its gradient accumulated right after the
+head's pass (through its ``AccumulateGrad``, as a plain pass would), the others in
+the trunk's pass.
+``grads_each`` needs each loss's own gradient of the shared parameters, so each
+loss runs a whole pass; the heads go as their passes end, the trunk after the last.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import functools
+from typing import Callable
+
+import torch
+from torch.autograd.graph import GradientEdge
+
+from . import _routing
+from ._graph import _is_router, reach
+from ._plan import Plan
+from ._prune import _remember
+from ._report import PruneReport
+from ._tape import track
+
+__all__ = ["backward_each", "grads_each"]
+
+_TRUNK_REASON = "the trunk the losses of {call} share"
+_LATER_REASON = "a later loss of {call}"
+
+
+def backward_each(losses, *, keep=None, strategy: str = "cut") -> list[PruneReport]:
+    """Backpropagate each loss in turn, as ``for l in losses: l.backward(retain_graph=True)``
+    would, freeing each head during its own pass and the trunk after the last.
+
+    ``losses`` is a list of scalar losses; or one tensor whose entries are the losses
+    (``torch.stack([...])``, or ``losses[i] = l_i`` into a zeros tensor); or a list
+    of callables, each building its head and returning its loss when its turn comes
+    (called inside :func:`~graphprune.track`), so only one head lives at a time.
+    Gradients accumulate into ``.grad`` as the plain calls would. ``keep=`` protects
+    as in :func:`~graphprune.backward`, for every pass.
+
+    ``strategy="cut"`` runs each head down to where it meets the trunk and the trunk
+    once, from the sum of the gradients there (NOTE [ Heads, the trunk, and the
+    cut ]): one trunk pass in all, holding those gradients (one per tap depth) until
+    it runs. ``strategy="passes"`` runs each loss's whole pass, the trunk kept until
+    the last: T trunk passes, nothing held between them. The last report names it.
+
+    Returns:
+        One :class:`~graphprune.PruneReport` per pass (with ``"cut"``: one per head,
+        then the trunk's).
+
+    Example::
+
+        >>> import torch, graphprune as gp
+        >>> w = torch.ones(3, requires_grad=True)
+        >>> heads = [torch.full((3,), 2.0, requires_grad=True) for _ in range(2)]
+        >>> with gp.track():
+        ...     x = w.exp()
+        ...     losses = torch.stack([(x * h).sin().sum() for h in heads])
+        >>> reports = gp.backward_each(losses)
+        >>> [r.released_node_count for r in reports], reports[-1].strategy
+        ([2, 2, 1], 'cut: 2 head pass(es), then the trunk once from 1 edge(s)')
+        >>> expected = 2 * (2 * x.detach()).cos() * 2 * x.detach()
+        >>> torch.testing.assert_close(w.grad, expected)
+    """
+    call = "graphprune.backward_each"
+    if strategy not in ("cut", "passes"):
+        raise ValueError(f'{call}: strategy must be "cut" or "passes", got {strategy!r}')
+    items = _items(losses, call)
+    heads = _heads(items, call, cut=strategy == "cut")
+    if strategy == "passes":
+        reports = [report for _, report in _whole_passes(
+            call, heads, len(items), keep, lambda loss: torch.autograd.backward(loss, retain_graph=True))]
+        reports[-1] = _remember(dataclasses.replace(
+            reports[-1], strategy=f"passes: {len(items)} whole pass(es), the trunk freed by the last"))
+        return reports
+    reports, cut = [], collections.OrderedDict()
+    for head in heads:
+        if head.cut and head.cut[0].node is head.loss.grad_fn:  # all of it is trunk: nothing to run yet
+            _add(cut, head.cut[0], torch.ones_like(head.loss))
+            continue
+        captured: dict = {}
+        hooks = [edge.node.register_prehook(functools.partial(_capture, captured, edge.node))
+                 for edge in {e.node: e for e in head.cut}.values()]
+        try:
+            _, report = _pass(call, [head.loss], keep, head.guards, lambda head=head: torch.autograd.backward(
+                head.loss, inputs=[*head.leaves, *head.cut], retain_graph=True))
+        finally:
+            for hook in hooks:
+                hook.remove()
+        reports.append(report)
+        for edge in head.cut:
+            g = captured.get((edge.node, edge.output_nr))
+            if g is not None:
+                _add(cut, edge, g)
+    edges = [GradientEdge(node, nr) for node, nr in cut]
+    grads = list(cut.values())
+    del cut
+    if not edges:  # no head reached a leaf that requires grad
+        return reports
+    _, report = _pass(call, None, keep, (), lambda: torch.autograd.backward(edges, grads, retain_graph=True),
+                      edges=edges)
+    text = f"cut: {len(items)} head pass(es), then the trunk once from {len(edges)} edge(s)"
+    reports.append(_remember(dataclasses.replace(report, strategy=text)))
+    return reports
+
+
+def grads_each(losses, inputs, *, keep=None, allow_unused: bool | None = None,
+               materialize_grads: bool = False) -> list[tuple[torch.Tensor | None, ...]]:
+    """Each loss's gradients of ``inputs``, as ``[torch.autograd.grad(l, inputs,
+    retain_graph=True) for l in losses]`` would give them (the rows of the T x P
+    Jacobian that PCGrad, CAGrad and MGDA combine), each head freed during its own
+    pass and the trunk during the last.
+
+    ``losses`` as for :func:`backward_each`. With callables, each head is built after
+    the previous pass freed its predecessor: the peak is the trunk and one head.
+    ``allow_unused`` and ``materialize_grads`` as for ``torch.autograd.grad``;
+    :func:`~graphprune.last_report` gives the last pass's report.
+
+    Example::
+
+        >>> import torch, graphprune as gp
+        >>> w = torch.ones(2, requires_grad=True)
+        >>> with gp.track():
+        ...     x = w * 3
+        >>> rows = gp.grads_each([lambda: (x * x).sum(), lambda: x.sin().sum()], w)
+        >>> rows[0]
+        (tensor([18., 18.]),)
+    """
+    call = "graphprune.grads_each"
+    items = _items(losses, call)
+
+    def run(loss):
+        return torch.autograd.grad(loss, inputs, retain_graph=True, allow_unused=allow_unused,
+                                   materialize_grads=materialize_grads)
+
+    return [row for row, _ in _whole_passes(call, _heads(items, call, cut=False), len(items), keep, run)]
+
+
+def _add(cut: dict, edge: GradientEdge, g: torch.Tensor) -> None:
+    key = (edge.node, edge.output_nr)
+    cut[key] = g if key not in cut else cut[key] + g
+
+
+def _capture(captured: dict, node, grad_outputs) -> None:
+    """A cut node's prehook: keep the gradients that reached it. Its own backward then
+    runs with none of its outputs needed (the pass stops here), so computes nothing
+    for them."""
+    for nr, g in enumerate(grad_outputs):
+        if g is not None:
+            captured[(node, nr)] = g
+
+
+def _is_leaf(node) -> bool:
+    return hasattr(node, "variable")  # AccumulateGrad
+
+
+def _pass(call: str, outputs, keep, guards, run, edges=()):
+    """``run()`` under a plan that frees what it passes through, and the report."""
+    plan = Plan(call, outputs, keep, arg="losses", guards=guards, edges=edges)
+    plan.arm()
+    try:
+        result = run()
+    except BaseException:
+        plan.abandon()
+        raise
+    plan.release()
+    return result, _remember(plan.report(call, dry_run=False))
+
+
+def _whole_passes(call: str, heads, count: int, keep, run):
+    """Each head's whole pass; the trunk is protected until the last."""
+    for i, head in enumerate(heads):
+        guards = head.guards if i < count - 1 else ()
+        yield _pass(call, [head.loss], keep, guards, lambda head=head: run(head.loss))
+
+
+@dataclasses.dataclass
+class _Head:
+    loss: torch.Tensor
+    cut: list[GradientEdge]  # where its pass stops: NOTE [ Heads, the trunk, and the cut ]
+    guards: list  # (node, output number, reason) its pass must not free
+    leaves: list = dataclasses.field(default_factory=list)  # what its pass accumulates into
+
+
+def _items(losses, call: str) -> list:
+    """The losses as a list of scalar tensors, or of callables."""
+    if isinstance(losses, torch.Tensor):
+        if losses.dim() == 0:
+            items = [losses]
+        elif losses.dim() == 1:
+            items = [losses[i] for i in range(losses.shape[0])]
+        else:
+            raise ValueError(f"{call}: losses must be a 1-d tensor of losses, got shape "
+                             f"{tuple(losses.shape)}")
+    elif isinstance(losses, (list, tuple)):
+        items = list(losses)
+    else:
+        raise TypeError(f"{call}: losses must be a list of losses, a 1-d tensor of them, or a list of "
+                        f"callables that return them, got {type(losses).__name__}")
+    if not items:
+        raise ValueError(f"{call}: losses is empty")
+    lazy = [callable(t) and not isinstance(t, torch.Tensor) for t in items]
+    if any(lazy) and not all(lazy):
+        raise TypeError(f"{call}: losses mixes tensors and callables; pass one kind")
+    if not lazy[0]:
+        for i, t in enumerate(items):
+            _check_loss(t, f"losses[{i}]", call)
+    return items
+
+
+def _check_loss(t, what: str, call: str) -> None:
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"{call}: {what} must be a torch.Tensor, got {type(t).__name__}")
+    if t.numel() != 1:
+        raise ValueError(f"{call}: {what} must be a scalar loss, got shape {tuple(t.shape)}")
+    if t.grad_fn is None:
+        raise ValueError(f"{call}: {what} has no grad_fn; there is no graph behind it to backpropagate")
+
+
+def _heads(items: list, call: str, cut: bool):
+    """Each loss's ``_Head``: its cut only where ``cut`` asks (a lazy head's guards
+    need it always: the trunk is what existed before the callable ran)."""
+    if callable(items[0]):
+        return _lazy_heads(items, call)
+    if cut:
+        return _eager_heads(items, call)
+    return [_Head(t, [], [(u.grad_fn, u.output_nr, _LATER_REASON.format(call=call)) for u in items[i + 1:]])
+            for i, t in enumerate(items)]
+
+
+def _eager_heads(items: list[torch.Tensor], call: str) -> list[_Head]:
+    """Each loss's head and cut, with the trunk told by two losses reaching it."""
+    reached, supports = [], []
+    for fn, nr in ((t.grad_fn, t.output_nr) for t in items):
+        sup = {fn: {nr: _routing.ALL}} if _is_router(fn) else {}
+        reached.append(reach([fn], supports=sup))
+        supports.append(sup)
+    owners: dict = collections.defaultdict(list)
+    for i, nodes in enumerate(reached):
+        for node in nodes:
+            owners[node].append(i)
+    trunk = {node for node, who in owners.items() if len(who) > 1 and _shared(node, who, supports)}
+    heads = []
+    for i, t in enumerate(items):
+        cut, leaves = _cut(t, trunk.__contains__)
+        later = [(u.grad_fn, u.output_nr, _LATER_REASON.format(call=call)) for u in items[i + 1:]]
+        guards = later + [(e.node, None, _TRUNK_REASON.format(call=call)) for e in cut]
+        heads.append(_Head(t, cut, guards, leaves))
+    return heads
+
+
+def _shared(node, owners: list[int], supports: list[dict]) -> bool:
+    """Whether gradients of two of ``owners`` can meet in ``node``: always, unless it
+    routes and their supports are disjoint on every output."""
+    if not _is_router(node):
+        return True
+    seen = [supports[i].get(node, {}) for i in owners]
+    for a in range(len(seen)):
+        for b in range(a):
+            if any(_routing.overlap(s, seen[b].get(nr, _routing.NOTHING)) for nr, s in seen[a].items()):
+                return True
+    return False
+
+
+def _lazy_heads(items: list[Callable], call: str):
+    """Build each head when its turn comes (a generator: the previous pass has run)."""
+    for i, build in enumerate(items):
+        start = torch._C._autograd._get_sequence_nr()
+        with track():
+            loss = build()
+        _check_loss(loss, f"losses[{i}]()", call)
+        cut, leaves = _cut(loss, lambda node, start=start: not _is_leaf(node) and node._sequence_nr() < start)
+        yield _Head(loss, cut, [(e.node, None, _TRUNK_REASON.format(call=call)) for e in cut], leaves)
+
+
+def _cut(loss: torch.Tensor, in_trunk) -> tuple[list[GradientEdge], list[torch.Tensor]]:
+    """Where ``loss``'s pass stops, and the leaves it accumulates into: the edges from
+    the upper part of its graph into the lower part, which holds what ``in_trunk``
+    says and all it reaches (NOTE [ Heads, the trunk, and the cut ])."""
+    root = loss.grad_fn
+    parents: dict = collections.defaultdict(list)
+    order, seen = [root], {root}
+    for node in order:  # every node, with its parents: the edges a pass may run
+        for child, nr in node.next_functions:
+            if child is None:
+                continue
+            parents[child].append((node, nr))
+            if child not in seen:
+                seen.add(child)
+                order.append(child)
+    lower: set = set()
+    _close(lower, [n for n in order if in_trunk(n)])
+    while root not in lower:  # no lower node may have parents on both sides
+        moved = [p for n in list(lower) if any(q in lower for q, _ in parents[n])
+                 for p, _ in parents[n] if p not in lower]
+        if not moved:
+            break
+        _close(lower, moved)
+    if root in lower:
+        return [GradientEdge(root, loss.output_nr)], []
+    cut, taken, leaves = [], set(), []
+    for node in order:
+        upper_parent = any(p not in lower for p, _ in parents[node])
+        if _is_leaf(node):
+            if upper_parent:
+                leaves.append(node.variable)
+        elif node in lower and upper_parent:
+            for _, nr in parents[node]:
+                if (node, nr) not in taken:
+                    taken.add((node, nr))
+                    cut.append(GradientEdge(node, nr))
+    return cut, leaves
+
+
+def _close(lower: set, nodes) -> None:
+    """Add ``nodes`` and everything they reach to ``lower``."""
+    stack = [n for n in nodes if n not in lower]
+    lower.update(stack)
+    while stack:
+        for child, _ in stack.pop().next_functions:
+            if child is not None and child not in lower:
+                lower.add(child)
+                stack.append(child)

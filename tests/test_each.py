@@ -1,0 +1,319 @@
+"""backward_each and grads_each: per-loss passes equal plain PyTorch's, heads freed
+as their passes end, the trunk after the last."""
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from torch import nn
+from torch.testing import assert_close
+
+import graphprune as gp
+from graphprune._graph import saved, walk
+
+T = 3
+
+
+def _model(seed=0):
+    torch.manual_seed(seed)
+    trunk = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 16), nn.Tanh())
+    heads = nn.ModuleList(nn.Sequential(nn.Linear(16, 16), nn.Tanh(), nn.Linear(16, 1)) for _ in range(T))
+    return trunk, heads, torch.randn(32, 8)
+
+
+def _grads(*modules):
+    return [p.grad.clone() if p.grad is not None else None for m in modules for p in m.parameters()]
+
+
+def _plain_backward(build):
+    trunk, heads, inp = _model()
+    losses = build(trunk, heads, inp)
+    for i in range(T):
+        losses[i].backward(retain_graph=True)
+    return _grads(trunk, heads)
+
+
+def _gathered(how):
+    def build(trunk, heads, inp):
+        x = trunk(inp)
+        ls = [h(x).square().mean() for h in heads]
+        if how == "list":
+            return ls
+        if how == "stack":
+            return torch.stack(ls)
+        out = torch.zeros(T)
+        for i, loss in enumerate(ls):
+            out[i] = loss
+        return out
+    return build
+
+
+def _live_handles(t):
+    return [h for n in walk([t.grad_fn]) for h in saved(n)[0] if h.tensor is not None and not h.leaf]
+
+
+@pytest.mark.parametrize("strategy", ["cut", "passes"])
+@pytest.mark.parametrize("how", ["list", "stack", "assign"])
+def test_backward_each_equals_plain_backward_calls(how, strategy):
+    expected = _plain_backward(_gathered(how))
+    trunk, heads, inp = _model()
+    with gp.track():
+        losses = _gathered(how)(trunk, heads, inp)
+    reports = gp.backward_each(losses, strategy=strategy)
+    assert len(reports) == (T + 1 if strategy == "cut" else T)
+    assert all(r.released_node_count >= 3 for r in reports[:T]), [str(r) for r in reports]
+    if strategy == "cut":
+        assert reports[-1].strategy.startswith("cut: 3 head pass(es), then the trunk once")
+    else:
+        assert reports[-1].strategy == "passes: 3 whole pass(es), the trunk freed by the last"
+        assert reports[-1].released_node_count > reports[0].released_node_count  # the trunk too
+    for got, want in zip(_grads(trunk, heads), expected):
+        torch.testing.assert_close(got, want)
+
+
+def test_backward_each_frees_each_head_during_its_own_pass():
+    trunk, heads, inp = _model()
+    with gp.track():
+        x = trunk(inp)
+        losses = [h(x).square().mean() for h in heads]
+    held = [len(_live_handles(loss)) for loss in losses]
+    freed = []
+
+    def spy(grad_outputs):  # runs in the next head's pass: what is left of the previous heads
+        freed.append([len(_live_handles(loss)) for loss in losses])
+
+    losses[1].grad_fn.register_prehook(spy)
+    gp.backward_each(losses)
+    (during_second,) = freed
+    assert during_second[0] < held[0] and during_second[2] == held[2]
+    assert all(len(_live_handles(loss)) == 0 for loss in losses)  # the trunk went after the last
+
+
+def test_backward_each_runs_the_trunk_once():
+    trunk, heads, inp = _model()
+    with gp.track():
+        x = trunk(inp)
+        losses = [h(x).square().mean() for h in heads]
+    runs = []
+    below = x.grad_fn.next_functions[0][0]  # the cut is at x's node; its backward computes nothing per head
+    below.register_prehook(lambda g: runs.append(1))
+    gp.backward_each(losses)
+    assert len(runs) == 1
+
+
+def test_backward_each_heads_tapping_three_depths_need_no_single_cut():
+    def build(trunk, heads, inp):
+        a = trunk[1](trunk[0](inp))
+        b = trunk[3](trunk[2](a))
+        c = b * a  # a skip connection into the last depth
+        return [heads[0](a).square().mean(), heads[1](b).square().mean(), heads[2](c).square().mean()]
+
+    expected = _plain_backward(build)
+    trunk, heads, inp = _model()
+    with gp.track():
+        losses = build(trunk, heads, inp)
+    reports = gp.backward_each(losses)
+    assert "then the trunk once" in reports[-1].strategy
+    for got, want in zip(_grads(trunk, heads), expected):
+        torch.testing.assert_close(got, want)
+
+
+def test_backward_each_with_a_parameter_shared_by_a_head_and_the_trunk():
+    def build(trunk, heads, inp):
+        x = trunk(inp)
+        tied = trunk[2].weight  # used by the trunk and, again, by every head
+        return [(h(x) + (x @ tied).sum(1, keepdim=True)).square().mean() for h in heads]
+
+    expected = _plain_backward(build)
+    trunk, heads, inp = _model()
+    with gp.track():
+        losses = build(trunk, heads, inp)
+    gp.backward_each(losses)
+    for got, want in zip(_grads(trunk, heads), expected):
+        torch.testing.assert_close(got, want)
+
+
+def test_backward_each_with_the_same_loss_twice():
+    trunk, heads, inp = _model()
+    with torch.enable_grad():
+        x = trunk(inp)
+        loss = heads[0](x).square().mean()
+    loss.backward(retain_graph=True)
+    loss.backward()
+    expected = _grads(trunk, heads)
+    trunk, heads, inp = _model()
+    with gp.track():
+        loss = heads[0](trunk(inp)).square().mean()
+    gp.backward_each([loss, loss])
+    for got, want in zip(_grads(trunk, heads), expected):
+        torch.testing.assert_close(got, want)
+
+
+def test_backward_each_builds_callable_heads_one_at_a_time():
+    expected = _plain_backward(_gathered("list"))
+    trunk, heads, inp = _model()
+    with gp.track():
+        x = trunk(inp)
+    alive = []
+
+    trunk_handles = set(_live_handles(x))
+
+    def head(i):
+        def build():
+            alive.append(sum(bool(set(_live_handles(t)) - trunk_handles) for t in built))
+            built.append(heads[i](x).square().mean())
+            return built[-1]
+        return build
+
+    built = []
+    reports = gp.backward_each([head(i) for i in range(T)])
+    assert alive == [0, 0, 0]  # each head built after the previous one was freed
+    assert reports[-1].strategy.startswith("cut: 3 head pass(es)")
+    assert not _live_handles(x)
+    for got, want in zip(_grads(trunk, heads), expected):
+        torch.testing.assert_close(got, want)
+
+
+def test_backward_each_keep_protects_a_tensor_for_a_later_pass():
+    trunk, heads, inp = _model()
+    with gp.track():
+        x = trunk(inp)
+        losses = [h(x).square().mean() for h in heads[:2]]
+    gp.backward_each(losses, keep=x)
+    x.sum().backward()  # the trunk is still there
+    with pytest.raises(gp.ReleasedTensorError):
+        losses[0].backward()
+
+
+@pytest.mark.parametrize("how", ["list", "stack", "lazy"])
+def test_grads_each_equals_autograd_grad_per_loss(how):
+    trunk, heads, inp = _model()
+    params = list(trunk.parameters())
+    x = trunk(inp)
+    want = [torch.autograd.grad(h(x).square().mean(), params, retain_graph=True) for h in heads]
+    with gp.track():
+        x = trunk(inp)
+        if how == "lazy":
+            losses = [lambda h=h: h(x).square().mean() for h in heads]
+        else:
+            losses = [h(x).square().mean() for h in heads]
+            losses = torch.stack(losses) if how == "stack" else losses
+    rows = gp.grads_each(losses, params)
+    assert len(rows) == T
+    for got, expected in zip(rows, want):
+        for g, e in zip(got, expected):
+            torch.testing.assert_close(g, e)
+    assert not _live_handles(x)  # the last pass freed the trunk
+    assert gp.last_report().released_node_count > 0
+
+
+def test_grads_each_allow_unused_and_materialize_grads():
+    w, v = torch.ones(2, requires_grad=True), torch.ones(2, requires_grad=True)
+    with gp.track():
+        losses = [(w * 2).sum(), (v * 3).sum()]
+    rows = gp.grads_each(losses, [w, v], allow_unused=True, materialize_grads=True)
+    torch.testing.assert_close(rows[0][1], torch.zeros(2))
+    torch.testing.assert_close(rows[1][1], torch.full((2,), 3.0))
+
+
+@pytest.mark.parametrize("losses, error, match", [
+    ([], ValueError, "losses is empty"),
+    (3.0, TypeError, "must be a list of losses"),
+    (torch.ones(2, 2, requires_grad=True) * 2, ValueError, "1-d tensor"),
+    ([torch.ones(2, requires_grad=True) * 2], ValueError, r"losses\[0\] must be a scalar loss"),
+    ([torch.ones(())], ValueError, r"losses\[0\] has no grad_fn"),
+    ([lambda: None], TypeError, r"losses\[0\]\(\) must be a torch.Tensor, got NoneType"),
+])
+def test_per_loss_helpers_name_their_bad_arguments(losses, error, match):
+    with pytest.raises(error, match=match):
+        gp.backward_each(losses)
+
+
+def test_backward_each_names_a_bad_strategy():
+    w = torch.ones(2, requires_grad=True)
+    with pytest.raises(ValueError, match='strategy must be "cut" or "passes", got \'fast\''):
+        gp.backward_each([(w * 2).sum()], strategy="fast")
+
+
+def test_per_loss_helpers_refuse_tensors_mixed_with_callables():
+    w = torch.ones(2, requires_grad=True)
+    with pytest.raises(TypeError, match="mixes tensors and callables"):
+        gp.grads_each([(w * 2).sum(), lambda: w.sum()], w)
+
+
+@settings(max_examples=40, deadline=None)
+@given(
+    T=st.integers(1, 4),
+    gather=st.sampled_from(["list", "stack", "assign", "lazy"]),
+    taps=st.lists(st.integers(0, 2), min_size=4, max_size=4),
+    skips=st.lists(st.booleans(), min_size=4, max_size=4),
+    tie=st.booleans(),
+    helper=st.sampled_from(["backward_each", "grads_each", "passes"]),
+)
+def test_random_multi_task_graphs_match_plain(T, gather, taps, skips, tie, helper):
+    """Heads tapping the trunk at random depths, with skip connections into the trunk
+    and a parameter shared with the trunk, gathered in any way: backward_each's
+    ``.grad`` and grads_each's rows equal plain PyTorch's."""
+    torch.manual_seed(T)
+    ws = [torch.randn(8, 8, requires_grad=True) for _ in range(3)]
+    heads = [torch.randn(8, 8, requires_grad=True) for _ in range(T)]
+    inp = torch.randn(4, 8)
+    params = [*ws, *heads]
+
+    def loss_of(i, depths):
+        h = depths[taps[i]] @ heads[i]
+        if skips[i]:
+            h = h * depths[0]  # a skip into the trunk's first depth
+        if tie:
+            h = h @ ws[1]  # a trunk parameter, used again by the head
+        return h.cos().mean()
+
+    def forward():
+        depths = [(inp @ ws[0]).tanh()]
+        for w in ws[1:]:
+            depths.append((depths[-1] @ w).sin())
+        return depths
+
+    def plain():
+        depths = forward()
+        losses = [loss_of(i, depths) for i in range(T)]
+        if helper == "grads_each":
+            return [torch.autograd.grad(loss, params, retain_graph=True, allow_unused=True)
+                    for loss in losses]
+        for loss in losses:
+            loss.backward(retain_graph=True)
+        return [p.grad for p in params]
+
+    def with_graphprune():
+        with gp.track():
+            depths = forward()
+            if gather == "lazy":
+                losses = [lambda i=i: loss_of(i, depths) for i in range(T)]
+            else:
+                ls = [loss_of(i, depths) for i in range(T)]
+                losses = ls if gather == "list" else _gathered_values(ls, gather)
+        if helper == "grads_each":
+            return gp.grads_each(losses, params, allow_unused=True)
+        gp.backward_each(losses, strategy="passes" if helper == "passes" else "cut")
+        return [p.grad for p in params]
+
+    want = plain()
+    for p in params:
+        p.grad = None
+    assert_close(_zeros_for_none(with_graphprune(), params), _zeros_for_none(want, params))
+
+
+def _zeros_for_none(grads, params):
+    """Gathered losses reach every head: PyTorch gives the other heads zeros, not None."""
+    if grads and isinstance(grads[0], tuple):
+        return [_zeros_for_none(list(row), params) for row in grads]
+    return [torch.zeros_like(p) if g is None else g for g, p in zip(grads, params)]
+
+
+def _gathered_values(ls, how):
+    if how == "stack":
+        return torch.stack(ls)
+    out = torch.zeros(len(ls))
+    for i, loss in enumerate(ls):
+        out[i] = loss
+    return out

@@ -1,0 +1,91 @@
+"""What a report says: node ids to colour a graph by, every byte the trunk holds, one
+tensor named once."""
+
+import torch
+
+import graphprune as gp
+from graphprune._graph import saved, walk
+
+
+def test_report_node_ids_are_the_graph_snapshot_ids():
+    w = torch.randn(64, 64, requires_grad=True)
+    with gp.track() as tape:
+        x = (w * 2).relu()
+        y1 = x.exp().sum()
+        y2 = x.sin().sum()
+    report = gp.explain(y1)
+    graph = tape.graph()
+    branch = {id(n) for n in walk([y1.grad_fn]) if saved(n)[0]} - {id(n) for n in walk([y2.grad_fn])}
+    assert report.released_ids == branch
+    assert {graph.nodes[i]["op"] for i in report.released_ids} == {"ExpBackward0"}
+    (kept,) = report.kept
+    assert "y2" in kept.reason
+    assert kept.node_ids <= set(graph.nodes)
+    assert {graph.nodes[i]["op"] for i in kept.node_ids} >= {"ReluBackward0", "MulBackward0"}
+    assert kept.node_ids.isdisjoint(report.released_ids)
+
+
+def test_retain_graph_report_keeps_every_node_id():
+    w = torch.randn(8, requires_grad=True)
+    with gp.track():
+        y = (w * 2).exp().sum()
+    report = gp.backward(y, retain_graph=True)
+    assert report.released_ids == frozenset()
+    assert {"ExpBackward0", "MulBackward0"} <= {n.name() for n in walk([y.grad_fn]) if id(n) in
+                                                report.kept[0].node_ids}
+
+
+def test_bytes_kept_counts_a_saved_tensor_that_needs_no_grad():
+    lstm = torch.nn.LSTM(16, 64, batch_first=True)
+    inp = torch.randn(4, 20, 16)
+    with gp.track():
+        out, (h, c) = lstm(inp)
+        loss = out.square().mean()
+    kept = gp.explain(loss, keep=[h, c]).bytes_kept
+    workspaces = [hd for n in walk([h.grad_fn]) for hd in saved(n)[0]
+                  if hd.leaf and not hd.tensor.requires_grad and hd.tensor is not inp]
+    assert workspaces, "the LSTM node saves workspaces that need no grad"
+    assert kept >= sum(hd.tensor.nbytes for hd in workspaces)
+
+
+def test_bytes_kept_counts_dropout_noise_but_not_the_input_the_user_holds():
+    torch.manual_seed(0)
+    w = torch.randn(256, 256, requires_grad=True)
+    inp = torch.randn(256, 256)
+    with gp.track():
+        x = torch.nn.functional.dropout(inp @ w, 0.5)  # mm saves inp (held here) and w
+        y1 = x.exp().sum()
+        y2 = x.sum()
+    report = gp.explain(y1)
+    assert report.bytes_kept == 256 * 256 * 4  # the dropout's noise: only the graph holds it
+    del inp
+    assert gp.explain(y1).bytes_kept == 2 * 256 * 256 * 4  # now the graph alone holds the input
+    y2.backward()
+
+
+def test_a_view_of_a_finished_tensor_is_finished():
+    w = torch.randn(128, 128, requires_grad=True)
+    with gp.track():
+        x = (w * 2).relu()
+        logits = (x @ w).tanh()
+        flat = logits.view(-1)  # held for logging, like logits itself
+        y1 = logits.exp().mean()
+        y2 = x.sum()
+    report = gp.backward(y1)
+    assert report.released_node_count == 3  # Exp, Tanh, Mm: flat does not keep the head
+    assert not any("flat" in r.reason for r in report.kept)
+    y2.backward()
+    assert flat.shape == (128 * 128,)
+
+
+def test_a_view_and_its_base_are_named_once():
+    w = torch.randn(128, 128, requires_grad=True)
+    with gp.track():
+        x = (w * 2).relu()
+        aux = (x @ w).square().mean()
+        aux_1d = aux.view(1)  # the same loss, shaped for gathering
+        y1 = x.exp().sum()
+    report = gp.explain(y1)
+    reasons = " | ".join(r.reason for r in report.kept)
+    assert "aux (" in reasons and "aux_1d" not in reasons, reasons
+    assert aux_1d.shape == (1,)

@@ -1,0 +1,55 @@
+"""The README's support table, row by row: what works under graphprune, checked here."""
+
+import pytest
+import torch
+from torch import nn
+
+import graphprune as gp
+
+
+def _compiled_steps(use_graphprune: bool, steps: int = 12):
+    import torch._dynamo
+    from torch._dynamo.utils import counters
+
+    torch._dynamo.reset()
+    counters.clear()
+    torch.manual_seed(0)
+    trunk = nn.Sequential(nn.Linear(16, 32), nn.ReLU())
+    head = nn.Linear(32, 1)
+    ct, ch = torch.compile(trunk, backend="aot_eager"), torch.compile(head, backend="aot_eager")
+    released = []
+    for _ in range(steps):
+        inp = torch.randn(8, 16)
+        with gp.track() if use_graphprune else torch.enable_grad():
+            x = ct(inp)
+            l1, l2 = ch(x).square().mean(), x.sin().mean()
+        if use_graphprune:
+            released.append(gp.backward(l1).released_nodes)
+            gp.backward(l2)
+        else:
+            l1.backward(retain_graph=True)
+            l2.backward()
+    grads = [p.grad.clone() for p in (*trunk.parameters(), *head.parameters())]
+    return dict(counters["stats"]), sum(counters["graph_break"].values()), released, grads
+
+
+# Dynamo reads .grad of the non-leaf input while tracing the head, warning from its own internals
+@pytest.mark.filterwarnings("ignore:The .grad attribute of a Tensor that is not a leaf:UserWarning")
+def test_torch_compile_adds_no_graph_no_break_and_frees_the_compiled_head():
+    plain_stats, plain_breaks, _, plain_grads = _compiled_steps(False)
+    stats, breaks, released, grads = _compiled_steps(True)
+    assert breaks == plain_breaks == 0
+    assert stats["unique_graphs"] <= plain_stats["unique_graphs"] + 1, (stats, plain_stats)
+    assert all(r.get("CompiledFunctionBackward") == 1 for r in released), released
+    for g, p in zip(grads, plain_grads):
+        torch.testing.assert_close(g, p)
+
+
+def test_data_parallel_on_cpu_runs_the_module_in_this_thread_and_is_tracked():
+    torch.manual_seed(0)
+    model = nn.DataParallel(nn.Sequential(nn.Linear(8, 8), nn.Tanh()))
+    with gp.track():
+        x = model(torch.randn(4, 8))
+        l1, l2 = x.exp().sum(), x.sum()
+    assert gp.backward(l1).released_node_count == 1  # ExpBackward0; the module's graph stays for l2
+    l2.backward()
