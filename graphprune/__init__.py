@@ -14,8 +14,10 @@ from importlib.metadata import PackageNotFoundError, version
 
 from ._each import backward_each, grads_each
 from ._prune import backward, explain, grad, last_report, prune_after
+from ._render import render
 from ._report import KeptReason, PruneReport
 from ._tape import Tape, track
+from ._timeline import Event, Timeline, plot_timeline
 from .errors import GraphPruneError, GraphPruneWarning, InplaceModifiedError, ReleasedTensorError
 
 try:
@@ -35,6 +37,10 @@ __all__ = [
     "last_report",
     "PruneReport",
     "KeptReason",
+    "render",
+    "Timeline",
+    "Event",
+    "plot_timeline",
     "GraphPruneError",
     "GraphPruneWarning",
     "ReleasedTensorError",

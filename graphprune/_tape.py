@@ -250,8 +250,14 @@ class Tape:
     Use :func:`track` to make one. Holding a tape keeps no tensor and no node alive.
     """
 
-    def __init__(self) -> None:
+    def __init__(self, timeline=None, modules=False) -> None:
         self.id = next(_tape_ids)
+        self.timeline = timeline
+        self.modules = None
+        if modules is not False and modules is not None:  # NOTE [ Module names by sequence number ]
+            from ._modules import ModuleRecorder
+
+            self.modules = ModuleRecorder(modules)
         self.first_seq = 0  # sequence numbers of the nodes built while it was open
         self.end_seq: int | None = None
         self._inner: list[range] = []  # windows of the tapes opened inside this one
@@ -268,10 +274,15 @@ class Tape:
         tapes = _open_tapes()
         self._thread = threading.get_ident()
         self.first_seq = torch._C._autograd._get_sequence_nr()
-        pack_hook = functools.partial(pack, tape=self.id)
-        pack_hook.__graphprune__ = True
+        if self.timeline is None:
+            pack_hook = functools.partial(pack, tape=self.id)
+            pack_hook.__graphprune__ = True
+        else:  # NOTE [ What the timeline counts ] in _timeline.py
+            pack_hook = self.timeline.pack_hook(self.id)
         hooks = torch.autograd.graph.saved_tensors_hooks(pack_hook, SavedHandle.unpack)
         hooks.__enter__()
+        if self.modules is not None:
+            self.modules.start()
         if not tapes:  # one recorder per thread: the outermost tape's
             try:
                 self._mode = _OutputRecorder()
@@ -293,6 +304,8 @@ class Tape:
             if self._mode is not None:
                 self._mode.__exit__(*exc)
         finally:
+            if self.modules is not None:
+                self.modules.stop()
             self._hooks.__exit__(*exc)
             self._hooks = self._mode = None
             self.end_seq = torch._C._autograd._get_sequence_nr()
@@ -340,13 +353,22 @@ class Tape:
         return f"<graphprune.Tape {self.id} {state}>"
 
 
-def track() -> Tape:
+def track(*, timeline=None, modules=False) -> Tape:
     """Record the forward passes run in a ``with`` block, so that they can be pruned.
 
     Inside the block, graphprune's saved-tensor hooks hold every tensor that
     autograd saves, and an output recorder notes (weakly) every tensor created.
     Hooks are per thread and innermost-wins: a ``checkpoint`` or ``save_on_cpu``
     region inside the block keeps its own tensors, which graphprune leaves alone.
+
+    Args:
+        timeline: a :class:`~graphprune.Timeline` that records the bytes the saved
+            tensors hold, pack by pack and free by free (a pack hook of its own, only
+            then).
+        modules: ``True``, or the root ``nn.Module`` (for qualified names such as
+            ``trunk.0``), to record which module built each node, for
+            :func:`~graphprune.render`: one small list per module call, nothing per op
+            (global module hooks, only while this tape is open).
 
     Returns:
         A :class:`Tape`: a context manager, and ``tape.graph()`` afterwards.
@@ -363,4 +385,4 @@ def track() -> Tape:
         2
         >>> (x.sqrt().sum()).backward()   # x's graph is still there
     """
-    return Tape()
+    return Tape(timeline, modules)

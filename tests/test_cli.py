@@ -1,0 +1,85 @@
+"""``python -m graphprune explain``, run in a subprocess on small scripts."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import textwrap
+import xml.etree.ElementTree as ET
+
+from test_render import parse_dot
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+OWN_TAPE = """\
+import sys
+import torch
+import graphprune as gp
+
+print("args", sys.argv[1:])
+w = torch.ones(64, requires_grad=True)
+with gp.track():
+    x = w.exp()
+    y1 = x.sin().exp().sum()
+    y2 = x.cos().sum()
+gp.backward(y1)
+gp.backward(tensors=y2)
+"""
+
+NO_TAPE = """\
+import torch
+import graphprune as gp
+
+w = torch.ones(64, requires_grad=True)
+x = w.exp()
+y1 = x.sin().sum()
+y1.backward(retain_graph=True)
+gp.prune_after(y1, keep=x)
+"""
+
+
+def explain(tmp_path, source: str, *args: str) -> subprocess.CompletedProcess:
+    script = tmp_path / "train.py"
+    script.write_text(textwrap.dedent(source))
+    env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    return subprocess.run([sys.executable, "-m", "graphprune", "explain", *args, str(script), "--lr", "1"],
+                          capture_output=True, text=True, timeout=300, env=env, cwd=tmp_path)
+
+
+def test_reports_each_call_with_pictures(tmp_path):
+    out_dir = tmp_path / "pictures"
+    proc = explain(tmp_path, OWN_TAPE, "--svg", str(out_dir), "--format", "dot")
+    assert proc.returncode == 0, proc.stderr
+    out = proc.stdout
+    assert "with its own gp.track() blocks" in out
+    assert "args ['--lr', '1']" in out  # the script got its own arguments
+    assert "[1] graphprune.backward at train.py:11\n    graphprune.backward released 2 saved tensor(s)" in out
+    assert "[2] graphprune.backward at train.py:12\n" in out
+    assert "      kept 2 node(s), 256 B: y2 (tensor of shape (), torch.float32, created at train.py:10)" \
+        in out
+    assert "graphprune explain: 2 call(s), 256 B freed in all; memory timeline: " in out  # x is held
+    first = out_dir / "01-backward-train.py-11.dot"
+    assert f"    picture: {first}" in out
+    nodes, _, legend = parse_dot(first)
+    assert {a["class"] for a in nodes.values()} == {"release", "keep0"}
+    assert "released by this call" in [a["label"] for a in legend.values()]
+    texts = ["".join(t.itertext()) for t in ET.parse(out_dir / "timeline.svg").iter("{http://www.w3.org/2000/svg}text")]
+    assert "backward at train.py:11" in texts and "backward at train.py:12" in texts
+
+
+def test_a_script_without_a_tape_runs_inside_one(tmp_path):
+    proc = explain(tmp_path, NO_TAPE)
+    assert proc.returncode == 0, proc.stderr
+    assert "inside one tape" in proc.stdout
+    assert "[1] graphprune.prune_after at train.py:8\n" in proc.stdout
+    assert "released 1 saved tensor(s) of 1 node(s)" in proc.stdout  # tracked: no "outside track()" warning
+    assert "GraphPruneWarning" not in proc.stderr
+
+
+def test_exit_code_and_help(tmp_path):
+    proc = explain(tmp_path, "import sys\nsys.exit(3)\n")
+    assert proc.returncode == 3 and "0 call(s)" in proc.stdout and "made no prune_after" in proc.stdout
+    helped = subprocess.run([sys.executable, "-m", "graphprune", "--help"], capture_output=True, text=True,
+                            timeout=120, cwd=ROOT)
+    assert helped.returncode == 0 and "explain" in helped.stdout and "python -m graphprune" in helped.stdout
