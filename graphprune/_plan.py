@@ -17,7 +17,7 @@ from ._report import KeptReason, PruneReport, exclusive_bytes, held_elsewhere, u
 from ._routing import ALL, NOTHING, complement, index_text, merge, widen
 from ._saved import SavedHandle
 from ._warn import warn_at_caller
-from ._zero import guard_released
+from ._zero import forget, guard_released, known_zero
 
 __all__ = ["Plan", "as_outputs"]
 
@@ -103,6 +103,8 @@ class Plan:
         self._edge_nodes = [e.node for e in edges]
         y_supports = _supports((fn, nr, ALL) for fn, nr in tops)
         self.reach = reach([fn for fn, _ in tops], supports=y_supports)
+        self._zero_only = _zero_only_released(self.reach, y_supports)
+        self._zero_keys: list = []
         self.finished, pending = _split_live(ys, self.reach, y_supports)
         self._candidates = _candidates(self.finished, pending)
         what = [_outputs.describe(t) for t in ys] + [f"the gradient into {name(e.node)}" for e in edges]
@@ -200,7 +202,7 @@ class Plan:
         this pass's own graph task: a reentrant pass started by a hook inside it
         (implicit layers) may run the node again."""
         task = [None]
-        note = functools.partial(_note_task, task)
+        note = functools.partial(_note_task, task, self._zero_only, self._zero_keys)
         for fn in {fn: None for fn in [t.grad_fn for t in self.outputs] + self._edge_nodes}:
             self._hooks.append(fn.register_prehook(note))
         for node, live in self.handles_by_node.items():
@@ -211,6 +213,8 @@ class Plan:
         for hook in self._hooks:
             hook.remove()
         self._hooks = []
+        forget(self._zero_keys)
+        self._zero_keys.clear()
 
     @staticmethod
     def _mark_released(nodes, reason: str) -> None:
@@ -415,9 +419,28 @@ def _part_reaching(t: torch.Tensor, part, node):
     return (size, functools.reduce(merge, hits)) if hits else None
 
 
-def _note_task(task: list, grad_outputs) -> None:
+def _note_task(task: list, zero_only: list, keys: list, grad_outputs) -> None:
     if task[0] is None:
         task[0] = torch._C._current_graph_task_id()
+        keys += known_zero(zero_only, task[0])
+
+
+def _zero_only_released(reached: dict, supports: dict) -> list:
+    """The released nodes a pass from the walk's roots runs with zeros only: below an
+    edge routing sends no gradient along, and below no other (NOTE [ Zeros known
+    without looking ] in ``_zero.py``)."""
+    out: list = []
+    seen: set = set()
+    stack = [c for node in supports for c, _ in node.next_functions if c is not None and c not in reached]
+    while stack:
+        node = stack.pop()
+        if node in seen:
+            continue
+        seen.add(node)
+        if RELEASED in node.metadata:
+            out.append(node)
+        stack += [c for c, _ in node.next_functions if c is not None and c not in reached and c not in seen]
+    return out
 
 
 def _release_after_run(handles: list[SavedHandle], reason: str, task: list, grad_inputs, grad_outputs):

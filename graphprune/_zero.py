@@ -17,6 +17,18 @@ that held the node's wrapper would be a reference cycle through C++. The mark is
 keyed by (the node's wrapper, graph task), so a pass that raised midway or another
 thread's pass never sees a stale mark. Placeholders of floating tensors are
 zero-stride (no memory); integer ones (LU pivots, indices) are contiguous ones.
+
+NOTE [ Zeros known without looking ]
+Reading a gradient's values (``g.any()``) on a GPU waits for the device: one
+host-device synchronisation per released node a pass runs. So a pass of
+graphprune's (``gp.backward``, ``gp.grad``, the per-loss helpers) marks before it
+runs the released nodes that gradient routing (NOTE [ Gradient routing ]) says only
+zeros reach (head 0 in ``losses[1]``'s pass): their pre-hook checks nothing. Where
+a released node may get a non-zero gradient, the check stays: on the CPU at once; on
+other devices deferred, each gradient's ``any()`` kept on its device and read once,
+all together, when the pass ends (``queue_callback``), which then raises
+:class:`ReleasedTensorError` if one was not zero. A deferred check cannot stop the
+pass midway: the ``.grad`` it wrote is then not to be used (the error says so).
 """
 
 from __future__ import annotations
@@ -28,20 +40,32 @@ import torch
 from ._marks import GUARDED, RELEASED
 from .errors import ReleasedTensorError, released_message
 
-__all__ = ["guard_released", "in_zero_pass", "placeholder"]
+__all__ = ["guard_released", "in_zero_pass", "placeholder", "known_zero", "forget", "IMMEDIATE"]
 
 _ZEROING = "graphprune.zeroing"  # node.metadata key: the post-hook is registered
 _zero_pass: set[tuple[int, int]] = set()  # (id of the node's wrapper, graph task id)
 _lock = threading.Lock()
 
 
+IMMEDIATE = {"cpu"}  # device types whose values are read at once; others: deferred
+_deferred: dict[int, list] = {}  # graph task id -> [(node name, reason, device flag)]
+
+
 def _zero_or_raise(grad_outputs) -> None:
     """The pre-hook of every released node."""
     node = torch._C._current_autograd_node()
-    if not all(g is None or not bool(g.any()) for g in grad_outputs):
-        raise ReleasedTensorError(released_message(node, node.metadata.get(RELEASED)))
+    task = torch._C._current_graph_task_id()
+    key = (id(node), task)
     with _lock:
-        _zero_pass.add((id(node), torch._C._current_graph_task_id()))
+        known = key in _zero_pass  # NOTE [ Zeros known without looking ]
+    if not known:
+        grads = [g for g in grad_outputs if g is not None]
+        if grads and grads[0].device.type not in IMMEDIATE:
+            _defer(node, task, grads)
+        elif any(bool(g.any()) for g in grads):
+            raise ReleasedTensorError(released_message(node, node.metadata.get(RELEASED)))
+        with _lock:
+            _zero_pass.add(key)
     if _ZEROING not in node.metadata:
         node.metadata[_ZEROING] = True
         node.register_hook(_zero_outputs)
@@ -54,6 +78,48 @@ def _zero_outputs(grad_inputs, grad_outputs):
             return None
         _zero_pass.discard(key)
     return tuple(None if g is None else torch.zeros_like(g) for g in grad_inputs)
+
+
+def _defer(node, task: int, grads) -> None:
+    flag = torch.stack([g.any() for g in grads]).any()  # on the device: no wait
+    with _lock:
+        first = task not in _deferred
+        _deferred.setdefault(task, []).append((node.name(), node.metadata.get(RELEASED), flag))
+    if first:
+        torch.autograd.Variable._execution_engine.queue_callback(lambda: _check_deferred(task))
+
+
+def _check_deferred(task: int) -> None:
+    """At the end of a pass: one read of every deferred flag."""
+    with _lock:
+        checks = _deferred.pop(task, [])
+    if not checks:
+        return
+    nonzero = torch.stack([flag for _, _, flag in checks]).cpu()
+    for (name, reason, _), bad in zip(checks, nonzero.tolist()):
+        if bad:
+            raise ReleasedTensorError(
+                f"graphprune: a backward pass sent a non-zero gradient into {name}, whose saved "
+                f"tensors were released by {reason}. The check ran at the end of the pass (reading "
+                "gradients on the device sooner would wait for it at every released node): the "
+                ".grad this pass accumulated is not valid. Pass keep= to that call for what later "
+                "passes start from."
+            )
+
+
+def known_zero(nodes, task: int) -> list:
+    """Mark ``nodes`` (released, wrappers) as reached by zeros only in graph task
+    ``task``: their pre-hook checks nothing. Returns the keys, for :func:`forget`."""
+    keys = [(id(n), task) for n in nodes]
+    with _lock:
+        _zero_pass.update(keys)
+    return keys
+
+
+def forget(keys) -> None:
+    """Drop the marks of nodes a pass did not run."""
+    with _lock:
+        _zero_pass.difference_update(keys)
 
 
 def guard_released(node) -> None:

@@ -66,3 +66,35 @@ def test_tracked_step_adds_no_host_device_synchronisation():
     finally:
         torch.cuda.set_sync_debug_mode(0)
     assert all(p.grad is not None for p in trunk.parameters())
+
+
+def test_stacked_loss_passes_through_released_heads_add_no_synchronisation():
+    torch.manual_seed(0)
+    trunk = torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.GELU()).cuda()
+    heads = [torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.Tanh(), torch.nn.Linear(64, 1)).cuda()
+             for _ in range(3)]
+    inp = torch.randn(32, 64, device="cuda")
+    with gp.track():
+        x = trunk(inp)
+        losses = torch.stack([h(x).square().mean() for h in heads])
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:  # each later pass runs the released heads with zeros: known from routing, never read
+        for i in range(3):
+            gp.backward(losses[i])
+    finally:
+        torch.cuda.set_sync_debug_mode(0)
+    assert all(p.grad is not None for h in heads for p in h.parameters())
+
+
+def test_plain_pass_through_a_released_head_checks_once_at_its_end():
+    w = torch.linspace(0.1, 0.9, 4, device="cuda").requires_grad_()
+    with gp.track():
+        x = w.exp()
+        losses = torch.stack([x.sin().sum(), x.log().sum()])
+    gp.backward(losses[0])
+    w.grad = None
+    losses[1].backward(retain_graph=True)  # deferred: one read when the pass ends
+    torch.testing.assert_close(w.grad, torch.ones(4, device="cuda"))
+    with pytest.raises(gp.ReleasedTensorError, match="end of the pass"):
+        losses.sum().backward()

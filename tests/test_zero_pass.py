@@ -53,3 +53,53 @@ def test_nonzero_gradient_into_released_node_still_raises():
     assert_close(w.grad, 2 * w.detach().exp() ** 2)
     with pytest.raises(gp.ReleasedTensorError, match="SinBackward0"):
         losses.sum().backward()  # head 0 gets ones: its tensors are gone
+
+
+def _stacked_heads_one_released():
+    w = torch.linspace(0.1, 0.9, 4).requires_grad_()
+    with gp.track():
+        x, per_head, losses = _stacked(w, [HEADS["sin"], HEADS["log"], lambda t: (t * t).sum()])
+    gp.backward(losses[0])  # head 0 is released; losses[1:] keep the rest
+    w.grad = None
+    return w, losses
+
+
+def test_a_pass_that_routing_says_sends_zeros_reads_no_gradient_value(monkeypatch):
+    w, losses = _stacked_heads_one_released()
+    reads = []
+    real_any = torch.Tensor.any
+    monkeypatch.setattr(torch.Tensor, "any", lambda self, *a, **k: reads.append(1) or real_any(self, *a, **k))
+    gp.backward(losses[1])  # head 0 is off the route: marked zero-only before the pass
+    monkeypatch.undo()
+    assert reads == []
+    assert_close(w.grad, torch.ones(4))  # d/dw log(exp(w))
+
+
+def test_a_plain_pass_still_checks_released_nodes_for_zeros(monkeypatch):
+    w, losses = _stacked_heads_one_released()
+    reads = []
+    real_any = torch.Tensor.any
+    monkeypatch.setattr(torch.Tensor, "any", lambda self, *a, **k: reads.append(1) or real_any(self, *a, **k))
+    losses[1].backward(retain_graph=True)  # not graphprune's pass: no routing known, the data check runs
+    monkeypatch.undo()
+    assert reads
+
+
+@pytest.fixture
+def deferred(monkeypatch):
+    """The deferred check of devices other than the CPU, exercised on the CPU."""
+    from graphprune import _zero
+
+    monkeypatch.setattr(_zero, "IMMEDIATE", set())
+
+
+def test_deferred_check_lets_zero_passes_through_and_gives_plain_gradients(deferred):
+    w, losses = _stacked_heads_one_released()
+    losses[1].backward(retain_graph=True)  # plain pass: head 0 gets zeros, checked at the end
+    assert_close(w.grad, torch.ones(4))
+
+
+def test_deferred_check_raises_at_the_end_of_the_pass_naming_the_node(deferred):
+    w, losses = _stacked_heads_one_released()
+    with pytest.raises(gp.ReleasedTensorError, match=r"non-zero gradient into SinBackward0.*end of the pass"):
+        losses.sum().backward(retain_graph=True)
