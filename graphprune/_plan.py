@@ -169,7 +169,7 @@ class Plan:
         return by_node, dict(
             released_nodes=dict(released),
             released_tensors=len(handles),
-            bytes_freed=exclusive_bytes(handles),
+            bytes_freed=exclusive_bytes(handles, spans),
             bytes_kept=unique_bytes(trunk, spans),
             kept=tuple(kept),
             released_ids=frozenset(id(node) for node in by_node),

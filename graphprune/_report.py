@@ -33,33 +33,43 @@ def unique_bytes(handles: list[SavedHandle], spans: dict | None = None) -> int:
     return sum(largest.values())
 
 
-def exclusive_bytes(handles: list[SavedHandle]) -> int:
+def exclusive_bytes(handles: list[SavedHandle], spans: dict | None = None) -> int:
     """Bytes that dropping ``handles`` (live ones) gives back: storages nothing else uses."""
-    by_storage: dict[int, list[SavedHandle]] = collections.defaultdict(list)
-    sizes: dict[int, int] = {}
+    by_storage: dict[int, list] = {}
     for h in handles:
-        key, nbytes = storage_of(h)
-        sizes[key] = max(nbytes, sizes.get(key, 0))
-        by_storage[key].append(h)
-    return sum(sizes[key] for key, group in by_storage.items() if not held_elsewhere(group))
+        key, nbytes = storage_of(h) if spans is None else spans.get(h) or spans.setdefault(h, storage_of(h))
+        entry = by_storage.get(key)
+        if entry is None:
+            by_storage[key] = [nbytes, h]
+        else:
+            entry[0] = max(nbytes, entry[0])
+            entry.append(h)
+    return sum(entry[0] for entry in by_storage.values() if not held_elsewhere(entry[1:]))
 
 
 def held_elsewhere(group: list[SavedHandle]) -> bool:
     """Whether anything but ``group`` uses the storage its handles share: another
     reference to a tensor a handle holds as it is (a leaf: a parameter, an input), or
     another tensor on the storage (the output a handle's detached alias came from)."""
-    tensors = {id(h.tensor): h.tensor for h in group}
-    for t in tensors.values():
-        mine = sum(h.tensor is t for h in group)
-        if sys.getrefcount(t) - mine - 3 > 0:  # 3: the dict, the loop, getrefcount's argument
+    if len(group) == 1:  # the common case, without the dict
+        t = group[0].tensor
+        if sys.getrefcount(t) > 3:  # the handle, the local, getrefcount's argument
             return True
+        distinct = 1
+    else:
+        tensors = {id(h.tensor): h.tensor for h in group}
+        distinct = len(tensors)
+        for t in tensors.values():
+            mine = sum(h.tensor is t for h in group)
+            if sys.getrefcount(t) - mine - 3 > 0:  # 3: the dict, the loop, getrefcount's argument
+                return True
     # a view's storage_of made the storage's Python object, which the storage keeps: one use
     wrapped = any(h.view for h in group)
     try:
         uses = torch._C._storage_Use_Count(torch._C._storage_address(group[0].tensor))
     except (RuntimeError, NotImplementedError):  # sparse, nested
         return False
-    return uses - len(tensors) - wrapped > 0
+    return uses - distinct - wrapped > 0
 
 
 @dataclass(frozen=True)
