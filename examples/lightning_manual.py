@@ -12,15 +12,9 @@ parameters and gradients are equal and prints RSS over the baseline in the middl
 second step (between the two passes) and at its end (the losses still held).
 """
 
-import gc
-import json
 import logging
-import os
-import subprocess
-import sys
-import tempfile
 
-import psutil
+import compare
 import pytorch_lightning as pl
 import torch
 from torch import nn
@@ -29,7 +23,6 @@ from torch.utils.data import DataLoader, TensorDataset
 
 import graphprune as gp
 
-MiB = 2**20
 PATTERN = "lightning_manual"
 
 
@@ -84,11 +77,6 @@ def fit(model: MultiTask, loader, steps: int, root: str, callbacks=()):
     trainer.fit(model, train_dataloaders=loader)
 
 
-def rss() -> float:
-    gc.collect()
-    return psutil.Process().memory_info().rss / MiB
-
-
 def measure(mode: str, out_dir: str) -> dict:
     """Two fit steps with ``mode`` in this process; RSS over that before the first step."""
     torch.manual_seed(0)
@@ -100,12 +88,16 @@ def measure(mode: str, out_dir: str) -> dict:
 
     class Baseline(pl.Callback):
         def on_train_start(self, trainer, module):
-            result["base"] = rss()
+            result["base"] = compare.rss()
 
-    model.probe = lambda batch_idx, phase: batch_idx == 1 and result.update({phase: rss() - result["base"]})
+    def probe(batch_idx, phase):
+        if batch_idx == 1:
+            result[phase] = compare.rss() - result["base"]
+
+    model.probe = probe
     fit(model, DataLoader(data, batch_size=8), 2, out_dir, [Baseline()])
     params = dict(model.named_parameters())
-    torch.save({**params, **{k + ".grad": p.grad for k, p in params.items()}}, f"{out_dir}/{mode}.pt")
+    compare.save(params, out_dir, mode)
     result["freed"] = [r.bytes_freed for r in model.reports[2:]]
     if mode == "plain":  # the best keep= written out, for the graphprune process's default to be held against
         model.mode, model.probe = "explicit", lambda batch_idx, phase: None
@@ -114,27 +106,5 @@ def measure(mode: str, out_dir: str) -> dict:
     return result
 
 
-def main(pattern: str):
-    """Each strategy in a fresh process, the gradients compared, one line of results."""
-    env = dict(os.environ, MALLOC_MMAP_THRESHOLD_="65536")  # freed tensors leave the process (DESIGN.md 11)
-    with tempfile.TemporaryDirectory() as tmp:
-        procs = {m: subprocess.Popen([sys.executable, __file__, m, tmp], env=env, stdout=subprocess.PIPE)
-                 for m in ("plain", "graphprune")}
-        res = {m: p.communicate()[0] for m, p in procs.items()}
-        if any(p.returncode for p in procs.values()):
-            sys.exit(f"{pattern}: a measuring process failed")
-        torch.testing.assert_close(torch.load(f"{tmp}/graphprune.pt"), torch.load(f"{tmp}/plain.pt"))
-    plain, pruned = (json.loads(res[m].splitlines()[-1]) for m in ("plain", "graphprune"))
-    default, explicit = ("[" + ", ".join(f"{b / MiB:.1f}" for b in freed) + "]"
-                         for freed in (pruned["freed"], plain["freed_explicit"]))
-    print(f"{pattern}: gradients equal plain retain_graph=True | RSS over baseline, MiB: "
-          f"middle plain={plain['middle']:.1f} graphprune={pruned['middle']:.1f}, "
-          f"end plain={plain['end']:.1f} graphprune={pruned['end']:.1f} | "
-          f"freed per call, MiB: default={default} explicit keep={explicit}")
-
-
 if __name__ == "__main__":
-    if len(sys.argv) == 3:  # a measuring process: one strategy
-        print(json.dumps(measure(*sys.argv[1:])))
-    else:
-        main(PATTERN)
+    compare.main(PATTERN, __file__, measure_one=measure)

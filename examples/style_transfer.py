@@ -13,21 +13,14 @@ image and its gradient are equal and prints RSS over the baseline in the middle 
 step (between the two passes of its last closure call) and at its end.
 """
 
-import gc
-import json
-import os
-import subprocess
-import sys
-import tempfile
 
-import psutil
+import compare
 import torch
 from torch import nn
 from torch.nn import functional as F
 
 import graphprune as gp
 
-MiB = 2**20
 PATTERN = "style_transfer"
 SIZE, WIDTH = 256, 32
 
@@ -131,47 +124,5 @@ def setup():
         model, optimizer, input_img, style_losses, content_losses, mode, probe)
 
 
-def rss() -> float:
-    gc.collect()
-    return psutil.Process().memory_info().rss / MiB
-
-
-def measure(mode: str, out_dir: str) -> dict:
-    """A warm-up step and a measured step with ``mode``, in this process; RSS over that before both."""
-    torch.manual_seed(0)
-    torch.set_num_threads(1)
-    params, run = setup()
-    base, result = rss(), {}
-    run(mode)  # warm-up: optimizer state, kernels; what a step leaves held is held into the next
-    reports = run(mode, lambda phase: result.update({phase: rss() - base}))
-    torch.save({**params, **{k + ".grad": p.grad for k, p in params.items()}}, f"{out_dir}/{mode}.pt")
-    result["freed"] = [r.bytes_freed for r in reports]
-    if mode == "plain":  # the best keep= written out, for the graphprune process's default to be held against
-        result["freed_explicit"] = [r.bytes_freed for r in run("explicit")]
-    return result
-
-
-def main(pattern: str):
-    """Each strategy in a fresh process, the gradients compared, one line of results."""
-    env = dict(os.environ, MALLOC_MMAP_THRESHOLD_="65536")  # freed tensors leave the process (DESIGN.md 11)
-    with tempfile.TemporaryDirectory() as tmp:
-        procs = {m: subprocess.Popen([sys.executable, __file__, m, tmp], env=env, stdout=subprocess.PIPE)
-                 for m in ("plain", "graphprune")}
-        res = {m: p.communicate()[0] for m, p in procs.items()}
-        if any(p.returncode for p in procs.values()):
-            sys.exit(f"{pattern}: a measuring process failed")
-        torch.testing.assert_close(torch.load(f"{tmp}/graphprune.pt"), torch.load(f"{tmp}/plain.pt"))
-    plain, pruned = (json.loads(res[m].splitlines()[-1]) for m in ("plain", "graphprune"))
-    default, explicit = ("[" + ", ".join(f"{b / MiB:.1f}" for b in freed) + "]"
-                         for freed in (pruned["freed"], plain["freed_explicit"]))
-    print(f"{pattern}: gradients equal plain retain_graph=True | RSS over baseline, MiB: "
-          f"middle plain={plain['middle']:.1f} graphprune={pruned['middle']:.1f}, "
-          f"end plain={plain['end']:.1f} graphprune={pruned['end']:.1f} | "
-          f"freed per call, MiB: default={default} explicit keep={explicit}")
-
-
 if __name__ == "__main__":
-    if len(sys.argv) == 3:  # a measuring process: one strategy
-        print(json.dumps(measure(*sys.argv[1:])))
-    else:
-        main(PATTERN)
+    compare.main(PATTERN, __file__, setup)

@@ -48,6 +48,18 @@ def _gathered(how):
     return build
 
 
+def _each_equals_plain(build, **kw) -> list:
+    """backward_each on ``build``'s losses, its .grad against plain retained passes; its reports."""
+    expected = _plain_backward(build)
+    trunk, heads, inp = _model()
+    with gp.track():
+        losses = build(trunk, heads, inp)
+    reports = gp.backward_each(losses, **kw)
+    for got, want in zip(_grads(trunk, heads), expected):
+        torch.testing.assert_close(got, want)
+    return reports
+
+
 def _live_handles(t):
     return [h for n in walk([t.grad_fn]) for h in saved(n)[0] if h.tensor is not None and not h.leaf]
 
@@ -55,11 +67,7 @@ def _live_handles(t):
 @pytest.mark.parametrize("strategy", ["cut", "passes"])
 @pytest.mark.parametrize("how", ["list", "stack", "assign"])
 def test_backward_each_equals_plain_backward_calls(how, strategy):
-    expected = _plain_backward(_gathered(how))
-    trunk, heads, inp = _model()
-    with gp.track():
-        losses = _gathered(how)(trunk, heads, inp)
-    reports = gp.backward_each(losses, strategy=strategy)
+    reports = _each_equals_plain(_gathered(how), strategy=strategy)
     assert len(reports) == (T + 1 if strategy == "cut" else T)
     assert all(r.released_node_count >= 3 for r in reports[:T]), [str(r) for r in reports]
     if strategy == "cut":
@@ -67,8 +75,6 @@ def test_backward_each_equals_plain_backward_calls(how, strategy):
     else:
         assert reports[-1].strategy == "passes: 3 whole pass(es), the trunk freed by the last"
         assert reports[-1].released_node_count > reports[0].released_node_count  # the trunk too
-    for got, want in zip(_grads(trunk, heads), expected):
-        torch.testing.assert_close(got, want)
 
 
 def test_backward_each_frees_each_head_during_its_own_pass():
@@ -108,14 +114,7 @@ def test_backward_each_heads_tapping_three_depths_need_no_single_cut():
         c = b * a  # a skip connection into the last depth
         return [heads[0](a).square().mean(), heads[1](b).square().mean(), heads[2](c).square().mean()]
 
-    expected = _plain_backward(build)
-    trunk, heads, inp = _model()
-    with gp.track():
-        losses = build(trunk, heads, inp)
-    reports = gp.backward_each(losses)
-    assert "then the trunk once" in reports[-1].strategy
-    for got, want in zip(_grads(trunk, heads), expected):
-        torch.testing.assert_close(got, want)
+    assert "then the trunk once" in _each_equals_plain(build)[-1].strategy
 
 
 def test_backward_each_with_a_parameter_shared_by_a_head_and_the_trunk():
@@ -124,13 +123,7 @@ def test_backward_each_with_a_parameter_shared_by_a_head_and_the_trunk():
         tied = trunk[2].weight  # used by the trunk and, again, by every head
         return [(h(x) + (x @ tied).sum(1, keepdim=True)).square().mean() for h in heads]
 
-    expected = _plain_backward(build)
-    trunk, heads, inp = _model()
-    with gp.track():
-        losses = build(trunk, heads, inp)
-    gp.backward_each(losses)
-    for got, want in zip(_grads(trunk, heads), expected):
-        torch.testing.assert_close(got, want)
+    _each_equals_plain(build)
 
 
 def test_backward_each_with_the_same_loss_twice():
