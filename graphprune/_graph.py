@@ -208,6 +208,23 @@ def saved(node) -> tuple[list[SavedHandle], str]:
     return handles, TRACKED if handles else kind
 
 
+def foreign_objects(node) -> list:
+    """What other saved-tensor hooks returned for ``node``'s saved tensors (a
+    ``checkpoint`` holder, ...), read as :func:`saved` reads its own handles."""
+    out = []
+    for attr in _saved_names.get(type(node)) or _saved_attributes(type(node)):
+        if attr is STRAYS:
+            continue
+        try:
+            value = getattr(node, attr)
+            packed = [value.data] if type(value) is _SavedTensor else [v.data for v in value if v is not None]
+        except RuntimeError:
+            continue
+        out += [p for p in packed
+                if p is not None and type(p) is not SavedHandle and not isinstance(p, torch.Tensor)]
+    return out
+
+
 def _saved_attributes(node_type: type) -> tuple[str, ...]:
     """Where a node of ``node_type`` keeps what it saved; ``STRAYS`` for a CopySlices."""
     if node_type.__name__ == "CopySlices":

@@ -11,7 +11,8 @@ import torch
 from torch.autograd.graph import Node
 
 from . import _outputs
-from ._graph import FOREIGN, TRACKED, UNTRACKED, _is_router, name, reach, saved
+from ._checkpoint import inputs_of
+from ._graph import FOREIGN, TRACKED, UNTRACKED, _is_router, foreign_objects, name, reach, saved
 from ._marks import FINISHED, RELEASED
 from ._report import KeptReason, PruneReport, exclusive_bytes, held_elsewhere, unique_bytes
 from ._routing import ALL, NOTHING, complement, index_text, merge, widen
@@ -22,6 +23,7 @@ from ._zero import forget, guard_released, known_zero
 __all__ = ["Plan", "as_outputs"]
 
 _FOREIGN_REASON = "saved under other saved-tensor hooks (checkpoint, save_on_cpu, ...)"
+_CHECKPOINT_INPUTS = "; graphprune holds the checkpointed regions' inputs, which they recompute from"
 _UNTRACKED_REASON = (
     "built outside graphprune.track() (or under saved-tensor hooks that keep tensors); "
     "PyTorch or those hooks hold its saved tensors"
@@ -158,6 +160,14 @@ class Plan:
         trunk = []
         kept = []
         spans: dict = {}
+        if _FOREIGN_REASON in kept_by:  # NOTE [ What a checkpointed region keeps ] in _checkpoint.py
+            holders = {id(o) for node in kept_nodes[_FOREIGN_REASON] for o in foreign_objects(node)}
+            inputs = inputs_of(holders)
+            if inputs:
+                reason = _FOREIGN_REASON + _CHECKPOINT_INPUTS
+                kept_by[reason] = kept_by.pop(_FOREIGN_REASON)
+                kept_nodes[reason] = kept_nodes.pop(_FOREIGN_REASON)
+                kept_by[reason][0] = kept_by[reason][0] + inputs
         owned = _graph_owned(h for groups in kept_by.values() for live in groups for h in live)
         for reason, groups in kept_by.items():
             held = [h for live in groups for h in live if not h.leaf or id(h.tensor) in owned]

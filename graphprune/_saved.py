@@ -14,8 +14,11 @@ time (``_graph.saved_handles`` reads ``node._raw_saved_*``), never in the forwar
 
 from __future__ import annotations
 
+import sys
+
 import torch
 
+from ._checkpoint import CHECKPOINT_CODES, note_input
 from ._marks import node_name
 from ._zero import in_zero_pass, placeholder
 from .errors import InplaceModifiedError, ReleasedTensorError, released_message
@@ -100,8 +103,13 @@ class SavedHandle:
 def pack(t: torch.Tensor, tape: int) -> SavedHandle:
     """The handle for ``t``, saved under tape ``tape``; see NOTE [ What the forward pays ]."""
     if t.is_leaf:
-        return SavedHandle(t, t._version, tape, True, t._is_view())
-    return SavedHandle(t.detach(), t._version, tape, False, t._is_view())
+        h = SavedHandle(t, t._version, tape, True, t._is_view())
+    else:
+        h = SavedHandle(t.detach(), t._version, tape, False, t._is_view())
+    caller = sys._getframe().f_back  # None in a TorchScript interop thread: no Python caller
+    if caller is not None and caller.f_code in CHECKPOINT_CODES:  # NOTE [ What a checkpointed region keeps ]
+        note_input(h, caller)
+    return h
 
 
 def _describe(t: torch.Tensor) -> str:

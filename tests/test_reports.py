@@ -89,3 +89,21 @@ def test_a_view_and_its_base_are_named_once():
     reasons = " | ".join(r.reason for r in report.kept)
     assert "aux (" in reasons and "aux_1d" not in reasons, reasons
     assert aux_1d.shape == (1,)
+
+
+def test_a_checkpointed_regions_inputs_are_counted_not_silently_held():
+    from torch.utils.checkpoint import checkpoint
+
+    w = torch.randn(256, 256, requires_grad=True)
+    with gp.track():
+        x = (w * 2).relu()
+        h = x.exp()  # the region's input: only the region keeps it
+        y1 = checkpoint(lambda a: (a @ w).tanh().sum(), h, use_reentrant=False)
+        y2 = x.sum()
+    del h
+    report = gp.backward(y1)
+    (region,) = [r for r in report.kept if "checkpoint" in r.reason]
+    assert "graphprune holds the checkpointed regions' inputs" in region.reason
+    assert region.saved_bytes == 256 * 256 * 4
+    assert report.bytes_kept >= region.saved_bytes
+    y2.backward()
