@@ -14,6 +14,7 @@ from importlib.metadata import PackageNotFoundError, version
 
 from ._each import backward_each, grads_each
 from ._prune import backward, explain, grad, last_report, prune_after
+from ._pruning import pruning
 from ._render import render
 from ._report import KeptReason, PruneReport
 from ._tape import Tape, track
@@ -34,6 +35,7 @@ __all__ = [
     "grad",
     "backward_each",
     "grads_each",
+    "pruning",
     "last_report",
     "PruneReport",
     "KeptReason",

@@ -233,10 +233,17 @@ class Plan:
             node.metadata[RELEASED] = reason
             guard_released(node)
 
-    def release(self) -> None:
-        """Release every branch handle; the branch's roots, and the live tensors its
-        pass ran through that nothing protects, protect nothing any more."""
+    def release(self, ran_only: bool = False) -> None:
+        """Release every branch handle (``ran_only``: mark those of the nodes its pass
+        ran, released as they ran); the branch's roots, and the live tensors its pass
+        ran through that nothing protects, protect nothing any more."""
         self._disarm()
+        if ran_only:
+            ran = {n: live for n, live in self.handles_by_node.items() if any(h.released for h in live)}
+            self.handles_by_node = ran
+            self.report_args = dict(self.report_args, released_nodes=dict(collections.Counter(
+                name(n) for n in ran)), released_tensors=sum(map(len, ran.values())),
+                released_ids=frozenset(map(id, ran)))
         for live in self.handles_by_node.values():
             for h in live:
                 h.release(self.reason)

@@ -31,16 +31,26 @@ def _pass_and_prune(call: str, outputs, arg: str, keep, retain_graph, create_gra
     graphs, ``made(result)``, lead back into the branch and are protected). Return the
     pass's result and the report (also :func:`last_report`'s)."""
     keep = _keep_for(call, keep, retain_graph, outputs)
+    if retain_graph is False and not create_graph:  # PyTorch's own pass: frees what it runs, all of it
+        plan = Plan(call, outputs, keep, arg=arg)
+        plan.arm()
+        try:
+            result = pass_fn(False)
+        except BaseException:
+            plan.abandon()
+            raise
+        plan.release(ran_only=True)
+        return result, _remember(plan.report(call, dry_run=False))
     if create_graph:
         as_outputs(outputs, call, arg)
-        result = pass_fn()
+        result = pass_fn(True)
         plan = Plan(call, outputs, keep, arg=arg, extra=made(result))
         plan.release()
     else:
         plan = Plan(call, outputs, keep, arg=arg)
         plan.arm()
         try:
-            result = pass_fn()
+            result = pass_fn(True)
         except BaseException:
             plan.abandon()
             raise
@@ -136,8 +146,9 @@ def backward(
     Branch nodes the pass does not run (``inputs=`` stops it) are released when it
     ends. If the pass raises, what it had not used yet is kept. ``retain_graph=True``
     keeps the whole graph (plain PyTorch's pass; the report says what it holds);
-    ``retain_graph=False`` keeps nothing (``keep=[]``). :func:`last_report` returns the
-    report too.
+    ``retain_graph=False`` is PyTorch's pass too: it frees what it runs (nodes built
+    outside ``track()`` included) and keeps what ``inputs=`` stops it from running.
+    :func:`last_report` returns the report too.
 
     Example::
 
@@ -154,9 +165,9 @@ def backward(
     """
     call = "graphprune.backward"
 
-    def pass_fn():
+    def pass_fn(retain: bool):
         torch.autograd.backward(
-            tensors, grad_tensors, retain_graph=True, create_graph=create_graph, inputs=inputs
+            tensors, grad_tensors, retain_graph=retain, create_graph=create_graph, inputs=inputs
         )
 
     def made(_):
@@ -196,12 +207,12 @@ def grad(
     """
     call = "graphprune.grad"
 
-    def pass_fn():
+    def pass_fn(retain: bool):
         return torch.autograd.grad(
             outputs,
             inputs,
             grad_outputs,
-            retain_graph=True,
+            retain_graph=retain,
             create_graph=create_graph,
             allow_unused=allow_unused,
             is_grads_batched=is_grads_batched,

@@ -62,7 +62,7 @@ def _zero_or_raise(grad_outputs) -> None:
         grads = [g for g in grad_outputs if g is not None]
         if grads and grads[0].device.type not in IMMEDIATE:
             _defer(node, task, grads)
-        elif any(bool(g.any()) for g in grads):
+        elif _any_nonzero(node, grads):
             raise ReleasedTensorError(released_message(node, node.metadata.get(RELEASED)))
         with _lock:
             _zero_pass.add(key)
@@ -78,6 +78,18 @@ def _zero_outputs(grad_inputs, grad_outputs):
             return None
         _zero_pass.discard(key)
     return tuple(None if g is None else torch.zeros_like(g) for g in grad_inputs)
+
+
+def _any_nonzero(node, grads) -> bool:
+    try:
+        return any(bool(g.any()) for g in grads)
+    except RuntimeError as e:  # a batched pass (vmap, is_grads_batched): no value can be read
+        raise ReleasedTensorError(
+            released_message(node, node.metadata.get(RELEASED))
+            + " The pass is batched (torch.vmap, is_grads_batched=True), so graphprune cannot check "
+            "that only zeros reach this node; a pass through gp.grad knows it from gradient routing "
+            "where it can."
+        ) from e
 
 
 def _defer(node, task: int, grads) -> None:

@@ -13,6 +13,9 @@ fi
 if [ ! -f "$STAMP" ] || [ "$(cat "$STAMP")" != "$WANT" ]; then
     "$PY" -m pip install --quiet --disable-pip-version-check "torch==2.13.0"
     "$PY" -m pip install --quiet --disable-pip-version-check -e "$ROOT[test,bench]"
+    # LibMTL's unmodified weighting classes (tests/test_libraries.py): it declares torchvision,
+    # which would replace the pinned torch; the classes need torch, numpy and scipy only
+    "$PY" -m pip install --quiet --disable-pip-version-check --no-deps "LibMTL==1.1.5"
     echo "$WANT" > "$STAMP"
 fi
 export MALLOC_MMAP_THRESHOLD_=65536  # honest RSS readings (DESIGN.md fact 11)

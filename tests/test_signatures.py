@@ -81,3 +81,37 @@ def test_last_report_is_the_report_of_grad():
     gp.grad(y.sum(), w, keep=x)
     report = gp.last_report()
     assert report.call == "graphprune.grad" and report.released_tensors >= 1
+
+
+def test_retain_graph_false_is_pytorchs_pass_keeping_what_inputs_stops():
+    w = torch.ones(3, requires_grad=True)
+    with gp.track():
+        f = w.exp()  # the trunk
+        y = (f * f).sum()
+    (g,) = gp.grad(y, f, retain_graph=False)  # runs the head only, as torch.autograd.grad would
+    assert gp.last_report().released_nodes == {"MulBackward0": 1}
+    f.backward(g)  # the trunk was not run, so it is kept
+    torch.testing.assert_close(w.grad, 2 * w.detach().exp() ** 2)
+
+
+def test_retain_graph_false_frees_nodes_built_outside_track_as_pytorch_does():
+    w = torch.ones(3, requires_grad=True)
+    a = (w * 2).exp()  # untracked: PyTorch holds its saved tensors
+    with gp.track():
+        y = (a * a).sin().sum()
+    gp.backward(y, retain_graph=False)
+    with pytest.raises(RuntimeError, match="Trying to backward through the graph a second time"):
+        a.sum().backward()  # ExpBackward0, built outside track(): PyTorch freed it
+
+
+def test_a_batched_pass_into_a_released_node_says_it_cannot_check_for_zeros():
+    w = torch.ones(3, requires_grad=True)
+    with gp.track():
+        x = w.exp()
+        losses = torch.stack([(x * x).sum(), x.sin().sum(), x.cos().sum()])
+    gp.backward(losses[0])
+    with pytest.raises(gp.ReleasedTensorError, match=r"The pass is batched"):
+        torch.autograd.grad(losses[1:], w, torch.eye(2), is_grads_batched=True, retain_graph=True)
+    (rows,) = gp.grad(losses[1:], w, torch.eye(2), is_grads_batched=True)  # routing knows: zeros
+    e = x.detach()
+    torch.testing.assert_close(rows, torch.stack([e.cos() * e, -e.sin() * e]))
