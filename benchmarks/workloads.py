@@ -400,13 +400,14 @@ def _gp_each(model: Model, mode: str, ck) -> dict:
     elif mode == "pcgrad":
         heads_p = [list(model.heads[k].parameters()) for k in order]
         inputs = model.shared + [p for ps in heads_p for p in ps]
-        rows = gp.grads_each([build(k) for k in order], inputs, allow_unused=True, materialize_grads=True)
+        rows = gp.grads_each([build(k) for k in order], inputs, allow_unused=True)  # None: another head's
         flats, n, off = [], len(model.shared), len(model.shared)
         for i, (k, ps) in enumerate(zip(order, heads_p)):
             row, rows[i] = rows[i], None
-            _store_task_grads(model, k, list(row[:n]) + list(row[off:off + len(ps)]), flats)
+            shared = [torch.zeros_like(p) if g is None else g for p, g in zip(model.shared, row[:n])]
+            _store_task_grads(model, k, shared + list(row[off:off + len(ps)]), flats)
             off += len(ps)
-            del row
+            del row, shared
         del rows
         _finish_pcgrad(model, flats)
     else:

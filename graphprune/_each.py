@@ -98,7 +98,8 @@ def backward_each(losses, *, keep=None, strategy: str = "cut") -> list[PruneRepo
     heads = _heads(items, call, cut=strategy == "cut")
     if strategy == "passes":
         reports = [report for _, report in _whole_passes(
-            call, heads, len(items), keep, lambda loss: torch.autograd.backward(loss, retain_graph=True))]
+            call, heads, len(items), keep, lambda loss: torch.autograd.backward(loss, retain_graph=True),
+            callable(items[0]))]
         reports[-1] = _remember(dataclasses.replace(
             reports[-1], strategy=f"passes: {len(items)} whole pass(es), the trunk freed by the last"))
         return reports
@@ -122,7 +123,7 @@ def backward_each(losses, *, keep=None, strategy: str = "cut") -> list[PruneRepo
             if g is not None:
                 _add(cut, edge, g)
     edges = [GradientEdge(node, nr) for node, nr in cut]
-    grads = list(cut.values())
+    grads = [g for g, _ in cut.values()]
     del cut
     if not edges:  # no head reached a leaf that requires grad
         return reports
@@ -162,12 +163,22 @@ def grads_each(losses, inputs, *, keep=None, allow_unused: bool | None = None,
         return torch.autograd.grad(loss, inputs, retain_graph=True, allow_unused=allow_unused,
                                    materialize_grads=materialize_grads)
 
-    return [row for row, _ in _whole_passes(call, _heads(items, call, cut=False), len(items), keep, run)]
+    passes = _whole_passes(call, _heads(items, call, cut=False), len(items), keep, run, callable(items[0]))
+    return [row for row, _ in passes[:len(items)]]
 
 
 def _add(cut: dict, edge: GradientEdge, g: torch.Tensor) -> None:
+    """Sum ``g`` into the cut's gradient at ``edge``: the first one as it came, the
+    second into a new tensor of ours, the later ones into that, in place (the pass's
+    own gradients may be views or expanded: never written to)."""
     key = (edge.node, edge.output_nr)
-    cut[key] = g if key not in cut else cut[key] + g
+    held = cut.get(key)
+    if held is None:
+        cut[key] = (g, False)
+    elif held[1]:
+        held[0].add_(g)
+    else:
+        cut[key] = (held[0] + g, True)
 
 
 def _capture(captured: dict, node, grad_outputs) -> None:
@@ -196,11 +207,23 @@ def _pass(call: str, outputs, keep, guards, run, edges=()):
     return result, _remember(plan.report(call, dry_run=False))
 
 
-def _whole_passes(call: str, heads, count: int, keep, run):
-    """Each head's whole pass; the trunk is protected until the last."""
+def _whole_passes(call: str, heads, count: int, keep, run, lazy: bool) -> list:
+    """Each head's whole pass, ``(result, report)``; the trunk is protected until the
+    last. Heads built by callables protected all that existed before them; the parts
+    of it the last pass does not reach (a deeper tap's) are released after it, with
+    one report more."""
+    out, losses = [], []
     for i, head in enumerate(heads):
         guards = head.guards if i < count - 1 else ()
-        yield _pass(call, [head.loss], keep, guards, lambda head=head: run(head.loss))
+        losses.append(head.loss)
+        out.append(_pass(call, [head.loss], keep, guards, lambda head=head: run(head.loss)))
+    if lazy:
+        plan = Plan(call, losses, keep, arg="losses")
+        report = plan.report(call, dry_run=False)
+        plan.release()
+        if report.released_node_count:
+            out.append((None, _remember(report)))
+    return out
 
 
 @dataclasses.dataclass

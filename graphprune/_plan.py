@@ -14,7 +14,7 @@ from . import _outputs
 from ._checkpoint import inputs_of
 from ._graph import FOREIGN, TRACKED, UNTRACKED, _is_router, foreign_objects, name, reach, saved
 from ._marks import FINISHED, RELEASED
-from ._report import KeptReason, PruneReport, exclusive_bytes, held_elsewhere, unique_bytes
+from ._report import KeptReason, PruneReport, exclusive_bytes, format_bytes, held_elsewhere, unique_bytes
 from ._routing import ALL, NOTHING, complement, index_text, merge, widen
 from ._saved import SavedHandle
 from ._warn import warn_at_caller
@@ -111,8 +111,8 @@ class Plan:
         self._candidates = _candidates(self.finished, pending)
         what = [_outputs.describe(t) for t in ys] + [f"the gradient into {name(e.node)}" for e in edges]
         self.reason = Release(f"{call}({', '.join(what)})", self._candidates)
+        self._losses = losses = [p for p in pending if _may_start_a_pass(*p)] if keep is None else []
         if keep is None:
-            losses = [p for p in pending if _may_start_a_pass(*p)]
             protect = [(fn, functools.partial(_pending_text, t, part)) for fn, _, part, t in losses]
             starts = [(fn, nr, part) for fn, nr, part, _ in losses]
         else:
@@ -176,6 +176,7 @@ class Plan:
             ids = frozenset(id(node) for node in kept_nodes[reason])
             kept.append(KeptReason(reason, len(groups), None if unknown else unique_bytes(held, spans), ids))
         handles = [h for live in by_node.values() for h in live]
+        self._graph_bytes = unique_bytes(trunk + [h for h in handles if not h.leaf], spans)
         return by_node, dict(
             released_nodes=dict(released),
             released_tensors=len(handles),
@@ -187,7 +188,9 @@ class Plan:
 
     def warn(self, call: str) -> None:
         """Warn (``GraphPruneWarning``, at the user's line) when this call cannot free
-        anything: the graph was built outside ``track()``."""
+        what it is for: the graph was built outside ``track()``, or it frees under 10%
+        of it for a scalar the user holds that is computed from the losses and looks
+        like no later loss (NOTE [ What keep=None protects ])."""
         if not self.handles_by_node and TRACKED not in self._kinds and UNTRACKED in self._kinds:
             warn_at_caller(
                 f"{call}: nothing can be released: the graph of "
@@ -195,6 +198,47 @@ class Plan:
                 "graphprune.track(), so PyTorch holds its saved tensors. Run the forward "
                 "inside `with graphprune.track():`."
             )
+            return
+        freed, total = self.report_args["bytes_freed"], self._graph_bytes
+        if not self._losses or total == 0 or freed >= 0.1 * total:
+            return
+        held = self._held_by_sums()
+        if held is not None and held[1] > freed:
+            names, blocked = held
+            some = "; ".join(names[:3]) + (f"; and {len(names) - 3} more" if len(names) > 3 else "")
+            warn_at_caller(
+                f"{call} freed {format_bytes(freed)} of the {format_bytes(total)} its graph holds: "
+                f"{format_bytes(blocked)} stays for live scalars you hold that are computed from the "
+                f"losses and that no backward pass has run through: {some}. If no backward pass will "
+                "start from them, detach them (t = t.detach()) or del them before this call; or name "
+                "what later passes start from: keep=[later losses]."
+            )
+
+    def _held_by_sums(self):
+        """``(descriptions, bytes)`` of what only the pending losses that have nothing
+        of their own protect: a scalar computed from the losses and held (``total = l1
+        + l2`` for logging): its graph reaches a loss's node, and saves no tensor and
+        reaches no leaf that the pruned graph and the other pending losses do not;
+        ``None`` if nothing."""
+        walks = [(p, reach([p[0]], through_released=False, supports=_supports([p[:3]])))
+                 for p in self._losses]
+        sums, losses = [], []
+        roots = [t.grad_fn for t in self.outputs] + [q[0] for q in self._losses]
+        for i, (p, walked) in enumerate(walks):
+            others = set().union(*(w for j, (_, w) in enumerate(walks) if j != i))
+            own = [n for n in walked if n not in self.reach and n not in others]
+            nothing = not any(hasattr(n, "variable") or saved(n)[0] for n in own)
+            of_losses = any(r is not p[0] and r in walked for r in roots)  # built on losses, not features
+            (sums if nothing and of_losses else losses).append((p, walked))
+        if not sums:
+            return None
+        kept_by_losses = set().union(*(w for _, w in losses))
+        blocked = [n for n in self.protected if n in self.reach and n not in kept_by_losses]
+        if not blocked:
+            return None
+        culprits = [_tensor_text(p[3], p[2]) for p, walked in sums if not set(blocked).isdisjoint(walked)]
+        handles = [h for n in blocked for h in saved(n)[0] if h.tensor is not None and not h.leaf]
+        return culprits, unique_bytes(handles)
 
     def _guard_reason(self, index: int) -> str:
         text = self._guard_text[index]

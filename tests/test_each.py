@@ -310,3 +310,19 @@ def _gathered_values(ls, how):
     for i, loss in enumerate(ls):
         out[i] = loss
     return out
+
+
+@pytest.mark.parametrize("helper", ["grads_each", "passes"])
+def test_lazy_heads_tapping_deeper_than_the_last_free_the_whole_trunk(helper):
+    torch.manual_seed(0)
+    ws = [torch.randn(8, 8, requires_grad=True) for _ in range(3)]
+    with gp.track():
+        depths = [(torch.randn(4, 8) @ ws[0]).tanh()]
+        for w in ws[1:]:
+            depths.append((depths[-1] @ w).tanh())
+    heads = [lambda d=d: d.square().mean() for d in reversed(depths)]  # deepest first, the last taps depth 0
+    if helper == "grads_each":
+        gp.grads_each(heads, ws, allow_unused=True)
+    else:
+        gp.backward_each(heads, strategy="passes")
+    assert all(not _live_handles(d) for d in depths)  # depths 1, 2 too: the last pass never ran them

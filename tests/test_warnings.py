@@ -31,6 +31,22 @@ def _record(fn):
     return [w for w in caught if issubclass(w.category, gp.GraphPruneWarning)]
 
 
+def test_little_freed_because_of_a_held_sum_of_losses_warns_naming_it():
+    probs, confidence, losses = _heads_with_metrics_held()
+    del confidence
+    with gp.track():
+        total = losses[0] + losses[1]  # held for logging, never backpropagated
+    caught = _record(lambda: gp.backward(losses[0]))
+    assert len(caught) == 1
+    message = str(caught[0].message)
+    assert "total (tensor of shape ()" in message
+    assert "computed from the losses" in message
+    assert "detach them" in message and "keep=[later losses]" in message
+    assert caught[0].filename == __file__
+    del total
+    assert _record(lambda: gp.backward(losses[1])) == []  # nothing held: the head and the trunk go
+
+
 def _outside_track():
     w = torch.ones(3, requires_grad=True)
     return w.exp().sum()
