@@ -119,9 +119,9 @@ def backward_each(losses, *, keep=None, strategy: str = "cut") -> list[PruneRepo
                 hook.remove()
         reports.append(report)
         for edge in head.cut:
-            g = captured.get((edge.node, edge.output_nr))
-            if g is not None:
-                _add(cut, edge, g)
+            if (edge.node, edge.output_nr) in captured:
+                _add(cut, edge, captured[edge.node, edge.output_nr])
+        del captured  # before the next callable builds its head: one gradient at the cut, the sum
     edges = [GradientEdge(node, nr) for node, nr in cut]
     grads = [g for g, _ in cut.values()]
     del cut
