@@ -37,6 +37,25 @@ def task_loss(head, feats, target):
     return F.mse_loss(head(feats), target)
 
 
+def lazy_rows(timeline=None):
+    """Every parameter's per-task gradient (``gp.grads_each``), the heads built one at a
+    time after the trunk: ``(trunk, heads, shared parameters, all parameters, rows)``."""
+    import graphprune as gp
+
+    trunk, heads, inputs, targets = model()
+    shared = list(trunk.parameters())
+    params = shared + list(heads.parameters())
+    with gp.track(timeline=timeline):
+        feats = trunk(inputs)
+
+    def build(i):
+        with gp.track(timeline=timeline):  # grads_each tracks the head; this lets the timeline count it
+            return task_loss(heads[i], feats, targets[i])
+
+    rows = gp.grads_each([lambda i=i: build(i) for i in range(T)], params, materialize_grads=True)
+    return trunk, heads, shared, params, rows
+
+
 def flat_grads(params) -> torch.Tensor:
     return torch.cat([p.grad.flatten() for p in params])
 

@@ -18,7 +18,7 @@ Run: ``python examples/jacobian_descent.py``. Three runs of one step, checked eq
 """
 
 import torch
-from _mtl import T, grads, mib, model, report, task_loss
+from _mtl import grads, lazy_rows, mib, model, report, task_loss
 from torchjd.aggregation import IMTLG
 from torchjd.autojac import jac_to_grad, mtl_backward
 
@@ -39,17 +39,7 @@ def torchjd_step(mode: str = "plain", timeline=None, chunk=None):
 
 def graphprune_step(timeline=None):
     """The Jacobian's rows from ``grads_each``, heads built one at a time."""
-    trunk, heads, inputs, targets = model()
-    shared = list(trunk.parameters())
-    params = shared + list(heads.parameters())
-    with gp.track(timeline=timeline):
-        feats = trunk(inputs)
-
-    def build(i):
-        with gp.track(timeline=timeline):  # grads_each tracks the head; this lets the timeline count it
-            return task_loss(heads[i], feats, targets[i])
-
-    rows = gp.grads_each([lambda i=i: build(i) for i in range(T)], params, materialize_grads=True)
+    trunk, heads, shared, params, rows = lazy_rows(timeline)
     jacobian = torch.stack([torch.cat([g.flatten() for g in row[:len(shared)]]) for row in rows])
     update = IMTLG()(jacobian)
     offset = 0

@@ -16,7 +16,7 @@ Run: ``python examples/mgda.py``. Three ways, checked against each other:
 """
 
 import torch
-from _mtl import T, grads, mib, model, report, task_loss
+from _mtl import grads, lazy_rows, mib, model, report, task_loss
 
 import graphprune as gp
 
@@ -61,17 +61,7 @@ def naive_graphprune_step():
 
 def optimal_step(timeline=None):
     """Every parameter's per-task gradient from ``grads_each``, heads built one at a time."""
-    trunk, heads, inputs, targets = model()
-    shared = list(trunk.parameters())
-    params = shared + list(heads.parameters())
-    with gp.track(timeline=timeline):
-        feats = trunk(inputs)
-
-    def build(i):
-        with gp.track(timeline=timeline):  # grads_each tracks the head; this lets the timeline count it
-            return task_loss(heads[i], feats, targets[i])
-
-    rows = gp.grads_each([lambda i=i: build(i) for i in range(T)], params, materialize_grads=True)
+    trunk, heads, shared, params, rows = lazy_rows(timeline)
     freed = mib(gp.last_report().bytes_freed)
     jacobian = torch.stack([torch.cat([g.flatten() for g in row[:len(shared)]]) for row in rows])
     weights = min_norm_weights(jacobian)

@@ -26,35 +26,27 @@ def _leaf_grads(outputs: list[torch.Tensor], inputs) -> list[torch.Tensor]:
 
 
 def _pass_and_prune(call: str, outputs, arg: str, keep, retain_graph, create_graph: bool, pass_fn, made):
-    """Run ``pass_fn`` (a pass from ``outputs`` that retains the graph) and free the
-    branch: as the pass goes, or after it with ``create_graph=True`` (the gradients'
+    """Run ``pass_fn(retain)`` (a pass from ``outputs``; it retains the graph but for
+    ``retain_graph=False``, PyTorch's own pass) and free the branch: as the pass goes,
+    or after it with ``create_graph=True`` (the gradients'
     graphs, ``made(result)``, lead back into the branch and are protected). Return the
     pass's result and the report (also :func:`last_report`'s)."""
     keep = _keep_for(call, keep, retain_graph, outputs)
-    if retain_graph is False and not create_graph:  # PyTorch's own pass: frees what it runs, all of it
-        plan = Plan(call, outputs, keep, arg=arg)
-        plan.arm()
-        try:
-            result = pass_fn(False)
-        except BaseException:
-            plan.abandon()
-            raise
-        plan.release(ran_only=True)
-        return result, _remember(plan.report(call, dry_run=False))
     if create_graph:
         as_outputs(outputs, call, arg)
         result = pass_fn(True)
         plan = Plan(call, outputs, keep, arg=arg, extra=made(result))
         plan.release()
     else:
+        plain = retain_graph is False  # PyTorch's own pass: it frees what it runs, all of it
         plan = Plan(call, outputs, keep, arg=arg)
         plan.arm()
         try:
-            result = pass_fn(True)
+            result = pass_fn(not plain)
         except BaseException:
             plan.abandon()
             raise
-        plan.release()
+        plan.release(ran_only=plain)
     if retain_graph is None:
         plan.warn(call)
     return result, _remember(plan.report(call, dry_run=False), retain_graph)
