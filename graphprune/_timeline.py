@@ -17,6 +17,7 @@ Without a timeline none of this exists: ``track()`` installs the plain pack hook
 
 from __future__ import annotations
 
+import sys
 import threading
 import time
 import weakref
@@ -24,6 +25,7 @@ from typing import NamedTuple
 
 import torch
 
+from ._checkpoint import CHECKPOINT_CODES, note_input
 from ._saved import SavedHandle, pack, storage_of
 
 __all__ = ["Timeline", "Event", "plot_timeline"]
@@ -98,6 +100,9 @@ class Timeline:
 
         def timed_pack(t: torch.Tensor) -> SavedHandle:
             h = pack(t, tape)
+            caller = sys._getframe().f_back  # pack saw this function as its caller
+            if caller is not None and caller.f_code in CHECKPOINT_CODES:
+                note_input(h, caller)
             if h.leaf:
                 if t.requires_grad:  # a parameter: not the graph's memory
                     return h

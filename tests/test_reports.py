@@ -107,3 +107,18 @@ def test_a_checkpointed_regions_inputs_are_counted_not_silently_held():
     assert region.saved_bytes == 256 * 256 * 4
     assert report.bytes_kept >= region.saved_bytes
     y2.backward()
+
+
+def test_a_checkpointed_regions_inputs_are_counted_with_a_timeline_too():
+    from torch.utils.checkpoint import checkpoint
+
+    w = torch.randn(64, 64, requires_grad=True)
+    with gp.track(timeline=gp.Timeline("run")):
+        x = (w * 2).relu()
+        h = x.exp()
+        y1 = checkpoint(lambda a: (a @ w).tanh().sum(), h, use_reentrant=False)
+        y2 = x.sum()
+    del h
+    (region,) = [r for r in gp.explain(y1).kept if "checkpoint" in r.reason]
+    assert region.saved_bytes == 64 * 64 * 4
+    y2.backward()
