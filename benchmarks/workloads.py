@@ -398,16 +398,14 @@ def _gp_each(model: Model, mode: str, ck) -> dict:
         ck("heads")
         gp.backward_each(losses)
     elif mode == "pcgrad":
-        heads_p = [list(model.heads[k].parameters()) for k in order]
-        inputs = model.shared + [p for ps in heads_p for p in ps]
-        rows = gp.grads_each([build(k) for k in order], inputs, allow_unused=True)  # None: another head's
-        flats, n, off = [], len(model.shared), len(model.shared)
-        for i, (k, ps) in enumerate(zip(order, heads_p)):
+        heads_p = [p for k in order for p in model.heads[k].parameters()]  # into .grad, pass by pass
+        rows = gp.grads_each([build(k) for k in order], model.shared, materialize_grads=True,
+                             accumulate=heads_p)
+        flats = []
+        for i in range(len(rows)):
             row, rows[i] = rows[i], None
-            shared = [torch.zeros_like(p) if g is None else g for p, g in zip(model.shared, row[:n])]
-            _store_task_grads(model, k, shared + list(row[off:off + len(ps)]), flats)
-            off += len(ps)
-            del row, shared
+            flats.append(torch.cat([g.reshape(-1) for g in row]))
+            del row
         del rows
         _finish_pcgrad(model, flats)
     else:

@@ -135,7 +135,7 @@ def backward_each(losses, *, keep=None, strategy: str = "cut") -> list[PruneRepo
 
 
 def grads_each(losses, inputs, *, keep=None, allow_unused: bool | None = None,
-               materialize_grads: bool = False) -> list[tuple[torch.Tensor | None, ...]]:
+               materialize_grads: bool = False, accumulate=()) -> list[tuple[torch.Tensor | None, ...]]:
     """Each loss's gradients of ``inputs``, as ``[torch.autograd.grad(l, inputs,
     retain_graph=True) for l in losses]`` would give them (the rows of the T x P
     Jacobian that PCGrad, CAGrad and MGDA combine), each head freed during its own
@@ -144,7 +144,11 @@ def grads_each(losses, inputs, *, keep=None, allow_unused: bool | None = None,
     ``losses`` as for :func:`backward_each`. With callables, each head is built after
     the previous pass freed its predecessor: the peak is the trunk and one head.
     ``allow_unused`` and ``materialize_grads`` as for ``torch.autograd.grad``;
-    :func:`~graphprune.last_report` gives the last pass's report.
+    :func:`~graphprune.last_report` gives the last pass's report. ``accumulate``:
+    leaf tensors (the heads' parameters) whose gradients each pass accumulates into
+    ``.grad`` as ``backward`` would, right after it, instead of returning them: the
+    rows then hold only ``inputs`` (the shared parameters), and no pass's gradients of
+    the heads are held over the next.
 
     Example::
 
@@ -159,9 +163,31 @@ def grads_each(losses, inputs, *, keep=None, allow_unused: bool | None = None,
     call = "graphprune.grads_each"
     items = _items(losses, call)
 
+    wanted = [inputs] if isinstance(inputs, torch.Tensor) else list(inputs)
+    extra = [accumulate] if isinstance(accumulate, torch.Tensor) else list(accumulate)
+    for i, t in enumerate(extra):
+        if not (isinstance(t, torch.Tensor) and t.is_leaf and t.requires_grad):
+            raise TypeError(f"{call}: accumulate[{i}] must be a leaf tensor that requires grad "
+                            "(a parameter), got " + (f"a non-leaf {type(t).__name__}" if isinstance(
+                                t, torch.Tensor) else type(t).__name__))
+
     def run(loss):
-        return torch.autograd.grad(loss, inputs, retain_graph=True, allow_unused=allow_unused,
-                                   materialize_grads=materialize_grads)
+        if not extra:
+            return torch.autograd.grad(loss, inputs, retain_graph=True, allow_unused=allow_unused,
+                                       materialize_grads=materialize_grads)
+        got = torch.autograd.grad(loss, wanted + extra, retain_graph=True, allow_unused=True)
+        row, rest = got[:len(wanted)], got[len(wanted):]
+        if not allow_unused and not materialize_grads and any(g is None for g in row):
+            raise RuntimeError("One of the differentiated Tensors appears to not have been used in the "
+                               "graph. Set allow_unused=True if this is the desired behavior.")
+        given = [(t, g) for t, g in zip(extra, rest) if g is not None]
+        del rest
+        if given:  # through AccumulateGrad, as a plain pass: hooks and layouts as usual
+            torch.autograd.backward([t for t, _ in given], [g for _, g in given])
+        del given
+        if materialize_grads:
+            row = tuple(torch.zeros_like(t) if g is None else g for t, g in zip(wanted, row))
+        return row
 
     passes = _whole_passes(call, _heads(items, call, cut=False), len(items), keep, run, callable(items[0]))
     return [row for row, _ in passes[:len(items)]]

@@ -326,3 +326,30 @@ def test_lazy_heads_tapping_deeper_than_the_last_free_the_whole_trunk(helper):
     else:
         gp.backward_each(heads, strategy="passes")
     assert all(not _live_handles(d) for d in depths)  # depths 1, 2 too: the last pass never ran them
+
+
+def test_grads_each_accumulates_the_heads_and_returns_the_shared_rows():
+    trunk, heads, inp = _model()
+    shared, own = list(trunk.parameters()), list(heads.parameters())
+    x = trunk(inp)
+    plain = [torch.autograd.grad(h(x).square().mean(), shared + list(h.parameters()), retain_graph=True)
+             for h in heads]
+    with gp.track():
+        x = trunk(inp)
+    rows = gp.grads_each([lambda h=h: h(x).square().mean() for h in heads], shared, accumulate=own)
+    for row, want in zip(rows, plain):
+        assert len(row) == len(shared)
+        for g, e in zip(row, want):
+            torch.testing.assert_close(g, e)
+    for i, h in enumerate(heads):
+        for p, e in zip(h.parameters(), plain[i][len(shared):]):
+            torch.testing.assert_close(p.grad, e)
+    assert all(p.grad is None for p in shared)  # returned, not accumulated
+
+
+def test_grads_each_accumulate_takes_leaves_only():
+    w = torch.ones(2, requires_grad=True)
+    with gp.track():
+        losses = [(w * 2).sum()]
+    with pytest.raises(TypeError, match=r"accumulate\[0\] must be a leaf tensor that requires grad"):
+        gp.grads_each(losses, w, accumulate=[w * 2])
