@@ -44,7 +44,7 @@ import torch
 from torch.autograd.graph import GradientEdge
 
 from . import _routing
-from ._graph import _is_router, reach
+from ._graph import _is_router, is_accumulator, reach
 from ._plan import Plan
 from ._prune import _remember
 from ._report import PruneReport
@@ -216,20 +216,10 @@ def _capture(captured: dict, node, grad_outputs) -> None:
             captured[(node, nr)] = g
 
 
-def _is_leaf(node) -> bool:
-    return hasattr(node, "variable")  # AccumulateGrad
-
-
 def _pass(call: str, outputs, keep, guards, run, edges=()):
     """``run()`` under a plan that frees what it passes through, and the report."""
     plan = Plan(call, outputs, keep, arg="losses", guards=guards, edges=edges)
-    plan.arm()
-    try:
-        result = run()
-    except BaseException:
-        plan.abandon()
-        raise
-    plan.release()
+    result = plan.run(run)
     return result, _remember(plan.report(call, dry_run=False))
 
 
@@ -347,7 +337,8 @@ def _lazy_heads(items: list[Callable], call: str):
         with track():
             loss = build()
         _check_loss(loss, f"losses[{i}]()", call)
-        cut, leaves = _cut(loss, lambda node, start=start: not _is_leaf(node) and node._sequence_nr() < start)
+        cut, leaves = _cut(loss, lambda node, start=start: (not is_accumulator(node)
+                                                              and node._sequence_nr() < start))
         yield _Head(loss, cut, [(e.node, None, _TRUNK_REASON.format(call=call)) for e in cut], leaves)
 
 
@@ -379,7 +370,7 @@ def _cut(loss: torch.Tensor, in_trunk) -> tuple[list[GradientEdge], list[torch.T
     cut, taken, leaves = [], set(), []
     for node in order:
         upper_parent = any(p not in lower for p, _ in parents[node])
-        if _is_leaf(node):
+        if is_accumulator(node):
             if upper_parent:
                 leaves.append(node.variable)
         elif node in lower and upper_parent:

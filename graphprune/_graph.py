@@ -49,7 +49,8 @@ if TYPE_CHECKING:
     from torch.autograd.graph import Node
 
 __all__ = [
-    "LOCK", "TRACKED", "FOREIGN", "UNTRACKED", "children", "saved", "live_handles", "reach", "walk",
+    "LOCK", "TRACKED", "FOREIGN", "UNTRACKED", "children", "saved", "foreign_objects", "is_accumulator",
+    "live_handles", "reach", "walk",
     "name", "attach_hidden",
 ]
 
@@ -172,7 +173,12 @@ def walk(roots) -> list:
 
 
 # -- saved tensors --------------------------------------------------------------------
-def saved(node) -> tuple[list[SavedHandle], str]:
+def is_accumulator(node) -> bool:
+    """Whether ``node`` is a leaf's ``AccumulateGrad`` (it has the leaf as ``variable``)."""
+    return hasattr(node, "variable")
+
+
+def saved(node, foreign: list | None = None) -> tuple[list[SavedHandle], str]:
     """The handles ``node`` saved (live or released), and its kind: ``"tracked"``
     (graphprune holds its saved tensors, or it saved none), ``"foreign"`` (other
     saved-tensor hooks hold them: checkpoint, save_on_cpu) or ``"untracked"`` (built
@@ -205,23 +211,16 @@ def saved(node) -> tuple[list[SavedHandle], str]:
                     kind = UNTRACKED
             else:
                 kind = FOREIGN
+                if foreign is not None:
+                    foreign.append(p)
     return handles, TRACKED if handles else kind
 
 
 def foreign_objects(node) -> list:
     """What other saved-tensor hooks returned for ``node``'s saved tensors (a
-    ``checkpoint`` holder, ...), read as :func:`saved` reads its own handles."""
-    out = []
-    for attr in _saved_names.get(type(node)) or _saved_attributes(type(node)):
-        if attr is STRAYS:
-            continue
-        try:
-            value = getattr(node, attr)
-            packed = [value.data] if type(value) is _SavedTensor else [v.data for v in value if v is not None]
-        except RuntimeError:
-            continue
-        out += [p for p in packed
-                if p is not None and type(p) is not SavedHandle and not isinstance(p, torch.Tensor)]
+    ``checkpoint`` holder, ...), read as :func:`saved` reads graphprune's handles."""
+    out: list = []
+    saved(node, out)
     return out
 
 

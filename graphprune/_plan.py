@@ -12,7 +12,17 @@ from torch.autograd.graph import Node
 
 from . import _outputs
 from ._checkpoint import inputs_of
-from ._graph import FOREIGN, TRACKED, UNTRACKED, _is_router, foreign_objects, name, reach, saved
+from ._graph import (
+    FOREIGN,
+    TRACKED,
+    UNTRACKED,
+    _is_router,
+    foreign_objects,
+    is_accumulator,
+    name,
+    reach,
+    saved,
+)
 from ._marks import FINISHED, RELEASED
 from ._report import KeptReason, PruneReport, exclusive_bytes, format_bytes, held_elsewhere, unique_bytes
 from ._routing import ALL, NOTHING, complement, index_text, merge, widen
@@ -105,7 +115,7 @@ class Plan:
         self._edge_nodes = [e.node for e in edges]
         y_supports = _supports((fn, nr, ALL) for fn, nr in tops)
         self.reach = reach([fn for fn, _ in tops], supports=y_supports)
-        self._zero_only = _zero_only_released(self.reach, y_supports)
+        self._routers = y_supports  # the routing nodes the walk met, for arm()
         self._zero_keys: list = []
         self.finished, pending = _split_live(ys, self.reach, y_supports)
         self._candidates = _candidates(self.finished, pending)
@@ -123,12 +133,11 @@ class Plan:
                     for t in extra if t is not None and t.grad_fn is not None]
         protect += [(fn, text) for fn, _, text in guards]
         starts += [(fn, nr, ALL) for fn, nr, _ in guards if nr is not None]
-        guards = protect
-        order = sorted(range(len(guards)), key=lambda i: guards[i][0] not in self.reach)  # nearest first
+        order = sorted(range(len(protect)), key=lambda i: protect[i][0] not in self.reach)  # nearest first
         self.protected = reach(
-            (guards[i][0] for i in order), through_released=False, supports=_supports(starts)
+            (protect[i][0] for i in order), through_released=False, supports=_supports(starts)
         )
-        self._guard_text = [guards[i][1] for i in order]
+        self._guard_text = [protect[i][1] for i in order]
         self.roots = [fn for fn, _ in tops if fn not in self.protected]
         self.handles_by_node, self.report_args = self._measure()
 
@@ -227,7 +236,7 @@ class Plan:
         for i, (p, walked) in enumerate(walks):
             others = set().union(*(w for j, (_, w) in enumerate(walks) if j != i))
             own = [n for n in walked if n not in self.reach and n not in others]
-            nothing = not any(hasattr(n, "variable") or saved(n)[0] for n in own)
+            nothing = not any(is_accumulator(n) or saved(n)[0] for n in own)
             of_losses = any(r is not p[0] and r in walked for r in roots)  # built on losses, not features
             (sums if nothing and of_losses else losses).append((p, walked))
         if not sums:
@@ -256,12 +265,25 @@ class Plan:
         this pass's own graph task: a reentrant pass started by a hook inside it
         (implicit layers) may run the node again."""
         task = [None]
-        note = functools.partial(_note_task, task, self._zero_only, self._zero_keys)
+        zero_only = _zero_only_released(self.reach, self._routers)
+        note = functools.partial(_note_task, task, zero_only, self._zero_keys)
         for fn in {fn: None for fn in [t.grad_fn for t in self.outputs] + self._edge_nodes}:
             self._hooks.append(fn.register_prehook(note))
         for node, live in self.handles_by_node.items():
             release = functools.partial(_release_after_run, live, self.reason, task)
             self._hooks.append(node.register_hook(release))
+
+    def run(self, pass_fn, ran_only: bool = False):
+        """``pass_fn()`` with the plan armed, then released (``ran_only``: as
+        :meth:`release`); if it raises, abandoned. Returns what it returned."""
+        self.arm()
+        try:
+            result = pass_fn()
+        except BaseException:
+            self.abandon()
+            raise
+        self.release(ran_only=ran_only)
+        return result
 
     def _disarm(self) -> None:
         for hook in self._hooks:

@@ -8,7 +8,7 @@ from collections.abc import Sequence
 
 import torch
 
-from ._graph import walk
+from ._graph import is_accumulator, walk
 from ._plan import Plan, as_outputs
 from ._report import KeptReason, PruneReport
 
@@ -21,7 +21,7 @@ def _leaf_grads(outputs: list[torch.Tensor], inputs) -> list[torch.Tensor]:
         leaves = [inputs] if isinstance(inputs, torch.Tensor) else list(inputs)
     else:
         nodes = walk(t.grad_fn for t in outputs)
-        leaves = [node.variable for node in nodes if hasattr(node, "variable")]
+        leaves = [node.variable for node in nodes if is_accumulator(node)]
     return [t.grad for t in leaves if t.grad is not None]
 
 
@@ -40,13 +40,7 @@ def _pass_and_prune(call: str, outputs, arg: str, keep, retain_graph, create_gra
     else:
         plain = retain_graph is False  # PyTorch's own pass: it frees what it runs, all of it
         plan = Plan(call, outputs, keep, arg=arg)
-        plan.arm()
-        try:
-            result = pass_fn(not plain)
-        except BaseException:
-            plan.abandon()
-            raise
-        plan.release(ran_only=plain)
+        result = plan.run(lambda: pass_fn(not plain), ran_only=plain)
     if retain_graph is None:
         plan.warn(call)
     return result, _remember(plan.report(call, dry_run=False), retain_graph)
@@ -56,9 +50,10 @@ def prune_after(y: torch.Tensor | Sequence[torch.Tensor], keep=None) -> PruneRep
     """Release the saved tensors that only ``y``'s branch of the graph still needs.
 
     A node's saved tensors are released when ``y`` reaches it and no protected root
-    does. ``keep=None`` protects the graphs of the live tensors created under
-    :func:`~graphprune.track` that ``y``'s graph does not contain (outputs no pass has
-    run through yet: the other heads' losses); a live tensor inside it is finished.
+    does. ``keep=None`` protects the graphs of the live losses created under
+    :func:`~graphprune.track` that ``y``'s graph does not contain and no pass has run
+    through yet (the other heads' losses: NOTE [ What keep=None protects ] in
+    ``_plan.py``); a tensor of more than one element protects nothing.
     ``keep=`` (a tensor, a ``grad_fn`` node or a sequence of them) protects exactly
     those: ``keep=x`` for a head built on ``x`` after this call. Call it after ``y``'s
     backward pass (``.backward(retain_graph=True)`` or ``torch.autograd.grad``); it
@@ -66,7 +61,7 @@ def prune_after(y: torch.Tensor | Sequence[torch.Tensor], keep=None) -> PruneRep
 
     Args:
         y: the finished output, or a sequence of them.
-        keep: what must stay differentiable; ``None`` for the outputs not
+        keep: what must stay differentiable; ``None`` for the losses not
             backpropagated yet.
 
     Returns:
