@@ -420,7 +420,9 @@ def _scaling_table(scaling):
     L = ["## Scaling: prune_after and explain cost against graph size", ""]
     L.append("Graphs of small tensors (64 floats; the transformer: d_model 16), so bookkeeping, not "
              "arithmetic, dominates: the worst case for graphprune's relative cost. `explain` runs "
-             "after the retained backward, then `prune_after(y, keep=x)`.")
+             "after the retained backward, then `prune_after(y, keep=x)`. Each row is the median of "
+             "the runs after a warm-up one (a fresh graph each; 1k nodes: 7, 10k: 5, 100k: 1 at full "
+             "size), every column on its own.")
     L.append("")
     L.append("| graph | nodes | forward ms (plain / tracked) | backward ms | explain ms (µs/node) | "
              "prune_after ms (µs/node) | prune / backward |")

@@ -16,6 +16,7 @@ For each: the tracked forward vs an untracked one, ``y.backward(retain_graph=Tru
 from __future__ import annotations
 
 import gc
+import statistics
 import time
 
 import torch
@@ -64,8 +65,10 @@ class _Stack:
 def jobs(level: str, threads: int, shapes=SHAPES) -> list[dict]:
     """The scaling jobs of a suite level: every shape at every size of the level."""
     sizes = {"full": [1000, 10000, 100000], "quick": [1000, 10000], "tiny": [200, 1000]}[level]
-    return [dict(kind="scaling", shape=shape, nodes=n, threads=threads,
-                 repeats={"full": 1 if n >= 100000 else 2, "quick": 0, "tiny": 0}[level])
+    # measured runs after the warm-up one: more where a run is short, so that the
+    # median stands clear of a run that met noise from the rest of the machine
+    repeats = {"full": {1000: 7, 10000: 5, 100000: 1}, "quick": {1000: 3, 10000: 1}, "tiny": {}}[level]
+    return [dict(kind="scaling", shape=shape, nodes=n, threads=threads, repeats=repeats.get(n, 0))
             for shape in shapes for n in sizes]
 
 
@@ -138,5 +141,5 @@ def run_scaling(job: dict) -> dict:
         w.grad = None
         if rep > 0 or repeats == 0:  # the first run warms up
             rows.append(row)
-    med = {k: sorted(r[k] for r in rows)[len(rows) // 2] for k in rows[0]}
+    med = {k: statistics.median(r[k] for r in rows) for k in rows[0]}
     return dict(job=job, ok=True, scaling=med, rows=rows)

@@ -67,10 +67,12 @@ _SCALAR_DTYPES = (torch.float64, torch.int64, torch.complex128, torch.bool)
 def children(node) -> tuple:
     """``node``'s children (wrappers), cached in its metadata on the first call: a
     lone child as itself, so that a chain costs no tuple per node."""
-    kids = _next(node)
     md = node.metadata
-    if _CHILDREN not in md:
-        md[_CHILDREN] = kids[0] if len(kids) == 1 else kids
+    kids = md.get(_CHILDREN)
+    if kids is not None:
+        return kids if type(kids) is tuple else (kids,)
+    kids = tuple(filter(None, map(_first, node.next_functions)))
+    md[_CHILDREN] = kids[0] if len(kids) == 1 else kids
     return kids
 
 
@@ -99,6 +101,7 @@ def reach(roots, through_released: bool = True, supports: dict | None = None) ->
     sup: dict = {} if supports is None else supports
     queue: collections.deque = collections.deque()
     kids_of = _next
+    rules = _routing.BY_TYPE
     rule_for = _routing.rule_for
     with LOCK:
         for i, node in enumerate(roots):
@@ -110,14 +113,16 @@ def reach(roots, through_released: bool = True, supports: dict | None = None) ->
         while queue:
             node = queue.popleft()
             label = out[node]
-            rule = rule_for(type(node))
+            kind = type(node)
+            rule = rules[kind] if kind in rules else rule_for(kind)
             if rule is None:
                 for child in kids_of(node):
                     if child not in out:
                         if through_released or RELEASED not in child.metadata:
                             out[child] = label
                             queue.append(child)
-                            if _is_router(child):
+                            kind = type(child)
+                            if (rules[kind] if kind in rules else rule_for(kind)) is not None:
                                 sup[child] = dict.fromkeys(_edge_numbers(node, child), ALL)
                     elif child in sup and _widen_all(sup[child], _edge_numbers(node, child)):
                         queue.append(child)
@@ -186,6 +191,13 @@ def saved(node, foreign: list | None = None) -> tuple[list[SavedHandle], str]:
     names = _saved_names.get(type(node))
     if names is None:
         names = _saved_names[type(node)] = _saved_attributes(type(node))
+    if len(names) == 1 and names[0] is not STRAYS:  # the common case, without the loop
+        try:
+            value = getattr(node, names[0])
+        except RuntimeError:  # freed by a pass that did not retain the graph
+            return [], TRACKED
+        if type(value) is _SavedTensor and type(p := value.data) is SavedHandle:
+            return [p], TRACKED
     handles: list[SavedHandle] = []
     kind = TRACKED
     for attr in names:

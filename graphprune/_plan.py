@@ -12,6 +12,7 @@ from torch.autograd.graph import Node
 
 from . import _outputs
 from ._checkpoint import inputs_of
+from ._collector import walks
 from ._graph import (
     FOREIGN,
     TRACKED,
@@ -24,7 +25,15 @@ from ._graph import (
     saved,
 )
 from ._marks import FINISHED, RELEASED
-from ._report import KeptReason, PruneReport, exclusive_bytes, format_bytes, held_elsewhere, unique_bytes
+from ._report import (
+    KeptReason,
+    PruneReport,
+    exclusive_bytes,
+    format_bytes,
+    held_elsewhere,
+    spans_of,
+    unique_bytes,
+)
 from ._routing import ALL, NOTHING, complement, index_text, merge, widen
 from ._saved import SavedHandle
 from ._warn import warn_at_caller
@@ -108,6 +117,7 @@ class Plan:
     passes: a head down to where it meets the trunk, the trunk from there).
     """
 
+    @walks
     def __init__(self, call: str, outputs, keep, arg: str = "y", extra=(), guards=(), edges=()):
         ys = self.outputs = [] if outputs is None and edges else as_outputs(outputs, call, arg)
         self._hooks: list = []
@@ -143,32 +153,35 @@ class Plan:
 
     def _measure(self) -> tuple[dict, dict]:
         """The branch's live handles by node, and the report's numbers, in one pass."""
-        released: collections.Counter = collections.Counter()
+        released: collections.Counter = collections.Counter()  # by node type
         by_node: dict = {}
         kept_by: dict[str, list[list[SavedHandle]]] = collections.defaultdict(list)
         kept_nodes: dict[str, list] = collections.defaultdict(list)
-        self._kinds: set = set()
+        kinds = self._kinds = set()
+        protected = self.protected
+        reasons: dict[int, str] = {}
         for node in self.reach:
             handles, kind = saved(node)
-            live = [h for h in handles if h.tensor is not None]
-            if handles or kind != TRACKED:  # a node that saved nothing says nothing of where it was built
-                self._kinds.add(kind)
-            if kind == FOREIGN:
+            if len(handles) == 1:  # the common case, without the list
+                live = handles if handles[0].tensor is not None else []
+            else:
+                live = [h for h in handles if h.tensor is not None]
+            if handles or kind is not TRACKED:  # a node that saved nothing says nothing of where it was built
+                kinds.add(kind)
+            if kind is FOREIGN:
                 reason = _FOREIGN_REASON
-            elif kind == UNTRACKED:
+            elif kind is UNTRACKED:
                 reason = _UNTRACKED_REASON
-            elif node in self.protected:
-                reason = self._guard_reason(self.protected[node])
+            elif node in protected:
+                guard = protected[node]
+                reason = reasons.get(guard) or reasons.setdefault(guard, self._guard_reason(guard))
             else:
                 if live:
-                    released[name(node)] += 1
+                    released[type(node)] += 1
                     by_node[node] = live
                 continue
             kept_by[reason].append(live)
             kept_nodes[reason].append(node)
-        trunk = []
-        kept = []
-        spans: dict = {}
         if _FOREIGN_REASON in kept_by:  # NOTE [ What a checkpointed region keeps ] in _checkpoint.py
             holders = {id(o) for node in kept_nodes[_FOREIGN_REASON] for o in foreign_objects(node)}
             inputs = inputs_of(holders)
@@ -178,16 +191,28 @@ class Plan:
                 kept_nodes[reason] = kept_nodes.pop(_FOREIGN_REASON)
                 kept_by[reason][0] = kept_by[reason][0] + inputs
         owned = _graph_owned(h for groups in kept_by.values() for live in groups for h in live)
-        for reason, groups in kept_by.items():
-            held = [h for live in groups for h in live if not h.leaf or id(h.tensor) in owned]
-            trunk += held
-            unknown = reason in (_FOREIGN_REASON, _UNTRACKED_REASON)  # not graphprune's handles
-            ids = frozenset(id(node) for node in kept_nodes[reason])
-            kept.append(KeptReason(reason, len(groups), None if unknown else unique_bytes(held, spans), ids))
         handles = [h for live in by_node.values() for h in live]
-        self._graph_bytes = unique_bytes(trunk + [h for h in handles if not h.leaf], spans)
+        trunk = []
+        held_by: dict[str, list] = {}
+        for reason, groups in kept_by.items():
+            held_by[reason] = [h for live in groups for h in live if not h.leaf or id(h.tensor) in owned]
+            trunk += held_by[reason]
+        spans = self._spans = spans_of(trunk)
+        spans.update(spans_of(handles))
+        self._trunk, self._branch = trunk, handles
+        kept = []
+        for reason, held in held_by.items():
+            unknown = reason in (_FOREIGN_REASON, _UNTRACKED_REASON)  # not graphprune's handles
+            nbytes = None if unknown else unique_bytes(held, spans)
+            ids = frozenset(id(node) for node in kept_nodes[reason])
+            kept.append(KeptReason(reason, len(kept_by[reason]), nbytes, ids))
+        names = collections.Counter()
+        for node in by_node:  # a name per node type: name() is a call into C++ and a string split
+            kind = type(node)
+            if kind in released:
+                names[name(node)] += released.pop(kind)
         return by_node, dict(
-            released_nodes=dict(released),
+            released_nodes=dict(names),
             released_tensors=len(handles),
             bytes_freed=exclusive_bytes(handles, spans),
             bytes_kept=unique_bytes(trunk, spans),
@@ -195,6 +220,11 @@ class Plan:
             released_ids=frozenset(id(node) for node in by_node),
         )
 
+    def _graph_bytes(self) -> int:
+        """Bytes the pruned graph held before the call: the kept part's and the branch's."""
+        return unique_bytes(self._trunk + [h for h in self._branch if not h.leaf], self._spans)
+
+    @walks
     def warn(self, call: str) -> None:
         """Warn (``GraphPruneWarning``, at the user's line) when this call cannot free
         what it is for: the graph was built outside ``track()``, or it frees under 10%
@@ -208,8 +238,11 @@ class Plan:
                 "inside `with graphprune.track():`."
             )
             return
-        freed, total = self.report_args["bytes_freed"], self._graph_bytes
-        if not self._losses or total == 0 or freed >= 0.1 * total:
+        freed = self.report_args["bytes_freed"]
+        if not self._losses:
+            return
+        total = self._graph_bytes()
+        if total == 0 or freed >= 0.1 * total:
             return
         held = self._held_by_sums()
         if held is not None and held[1] > freed:
@@ -258,6 +291,7 @@ class Plan:
     def report(self, call: str, dry_run: bool) -> PruneReport:
         return PruneReport(call=call, dry_run=dry_run, **self.report_args)
 
+    @walks
     def arm(self) -> None:
         """NOTE [ Release during backward ]: each branch node lets its handles go as
         soon as it has run, as ``retain_graph=False`` would; a post-hook, not the
@@ -299,6 +333,7 @@ class Plan:
             node.metadata[RELEASED] = reason
             guard_released(node)
 
+    @walks
     def release(self, ran_only: bool = False) -> None:
         """Release every branch handle (``ran_only``: mark those of the nodes its pass
         ran, released as they ran); the branch's roots, and the live tensors its pass
@@ -327,6 +362,7 @@ class Plan:
                     widen(done, nr, support)
                     fn.metadata[FINISHED] = done
 
+    @walks
     def abandon(self) -> None:
         """The pass raised: keep what it had not used, and say where the rest went."""
         self._disarm()

@@ -14,47 +14,67 @@ from ._outputs import live_roots
 from ._saved import SavedHandle, storage_of
 
 __all__ = [
-    "PruneReport", "KeptReason", "unique_bytes", "exclusive_bytes", "held_elsewhere", "format_bytes",
-    "snapshot",
+    "PruneReport", "KeptReason", "unique_bytes", "spans_of", "exclusive_bytes", "held_elsewhere",
+    "format_bytes", "snapshot",
 ]
 
 
 def unique_bytes(handles: list[SavedHandle], spans: dict | None = None) -> int:
-    """Bytes of the distinct storages behind ``handles`` (live ones); ``spans`` caches
-    ``storage_of`` by handle across calls."""
+    """Bytes of the distinct storages behind ``handles`` (live ones); ``spans`` maps
+    each handle to its ``storage_of`` (:func:`spans_of`), computed here if ``None``."""
+    if spans is None:
+        spans = spans_of(handles)
     largest: dict[int, int] = {}
     for h in handles:
-        if spans is None:
-            key, nbytes = storage_of(h)
-        else:
-            key, nbytes = spans.get(h) or spans.setdefault(h, storage_of(h))
-        largest[key] = max(nbytes, largest.get(key, 0))
+        key, nbytes = spans[h]
+        if nbytes > largest.get(key, -1):
+            largest[key] = nbytes
     return sum(largest.values())
+
+
+def spans_of(handles) -> dict:
+    """``{handle: storage_of(handle)}`` of live handles."""
+    out = {}
+    address = torch._C._storage_address
+    for h in handles:
+        t = h.tensor
+        try:  # storage_of's common case, without the call
+            if not h.view and t.is_contiguous():
+                out[h] = address(t), t.storage_offset() * t.element_size() + t.nbytes
+                continue
+        except (RuntimeError, NotImplementedError):
+            pass
+        out[h] = storage_of(h)
+    return out
 
 
 def exclusive_bytes(handles: list[SavedHandle], spans: dict | None = None) -> int:
     """Bytes that dropping ``handles`` (live ones) gives back: storages nothing else uses."""
+    if spans is None:
+        spans = spans_of(handles)
     by_storage: dict[int, list] = {}
     for h in handles:
-        key, nbytes = storage_of(h) if spans is None else spans.get(h) or spans.setdefault(h, storage_of(h))
+        key, nbytes = spans[h]
         entry = by_storage.get(key)
         if entry is None:
             by_storage[key] = [nbytes, h]
         else:
             entry[0] = max(nbytes, entry[0])
             entry.append(h)
-    return sum(entry[0] for entry in by_storage.values() if not held_elsewhere(entry[1:]))
+    return sum(entry[0] for key, entry in by_storage.items() if not held_elsewhere(entry[1:], key))
 
 
-def held_elsewhere(group: list[SavedHandle]) -> bool:
-    """Whether anything but ``group`` uses the storage its handles share: another
-    reference to a tensor a handle holds as it is (a leaf: a parameter, an input), or
-    another tensor on the storage (the output a handle's detached alias came from)."""
+def held_elsewhere(group: list[SavedHandle], address: int | None = None) -> bool:
+    """Whether anything but ``group`` uses the storage its handles share (at
+    ``address``, found if ``None``): another reference to a tensor a handle holds as
+    it is (a leaf: a parameter, an input), or another tensor on the storage (the
+    output a handle's detached alias came from)."""
     if len(group) == 1:  # the common case, without the dict
-        t = group[0].tensor
-        if sys.getrefcount(t) > 3:  # the handle, the local, getrefcount's argument
+        h = group[0]
+        if sys.getrefcount(h.tensor) > 2:  # the handle, getrefcount's argument
             return True
         distinct = 1
+        wrapped = h.view
     else:
         tensors = {id(h.tensor): h.tensor for h in group}
         distinct = len(tensors)
@@ -62,12 +82,16 @@ def held_elsewhere(group: list[SavedHandle]) -> bool:
             mine = sum(h.tensor is t for h in group)
             if sys.getrefcount(t) - mine - 3 > 0:  # 3: the dict, the loop, getrefcount's argument
                 return True
-    # a view's storage_of made the storage's Python object, which the storage keeps: one use
-    wrapped = any(h.view for h in group)
+        # a view's storage_of made the storage's Python object, which the storage keeps: one use
+        wrapped = any(h.view for h in group)
     try:
-        uses = torch._C._storage_Use_Count(torch._C._storage_address(group[0].tensor))
+        if address is None:
+            address = torch._C._storage_address(group[0].tensor)
     except (RuntimeError, NotImplementedError):  # sparse, nested
         return False
+    if address < 0:  # storage_of's key of a tensor without a storage address
+        return False
+    uses = torch._C._storage_Use_Count(address)
     return uses - distinct - wrapped > 0
 
 

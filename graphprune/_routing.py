@@ -204,15 +204,15 @@ _RULES: dict[str, Callable] = {
     "CatBackward0": _cat,
     "CopySlices": _copy_slices,
 }
-_BY_TYPE: dict[type, Callable | None] = {}  # filled by rule_for
+BY_TYPE: dict[type, Callable | None] = {}  # filled by rule_for
 
 
 def rule_for(node_type: type) -> Callable | None:
     """The routing rule of a node type, or ``None`` (every child gets ``ALL``)."""
     try:
-        return _BY_TYPE[node_type]
+        return BY_TYPE[node_type]
     except KeyError:
-        rule = _BY_TYPE[node_type] = _safe(_RULES.get(node_type.__name__.rsplit("::", 1)[-1]))
+        rule = BY_TYPE[node_type] = _safe(_RULES.get(node_type.__name__.rsplit("::", 1)[-1]))
         return rule
 
 

@@ -28,7 +28,8 @@ __all__ = ["SavedHandle", "pack", "storage_of"]
 
 def storage_of(h: SavedHandle) -> tuple[int, int]:
     """Return ``(key, nbytes)`` of the storage behind a live handle's tensor; the key
-    is the storage's address, unique while it lives.
+    is the storage's address, unique while it lives (for a tensor without one, sparse
+    or nested, minus the tensor's ``id``).
 
     A tensor that is no view owns its storage, whose bytes are those it spans; only a
     view asks ``untyped_storage()``, whose Python object the storage then keeps alive
@@ -44,7 +45,7 @@ def storage_of(h: SavedHandle) -> tuple[int, int]:
         span = t.storage_offset() + sum((n - 1) * s for n, s in zip(t.shape, t.stride())) + 1
         return torch._C._storage_address(t), (span if t.numel() else 0) * t.element_size()
     except (RuntimeError, NotImplementedError):  # sparse, nested, functional tensors
-        return id(t), t.numel() * t.element_size()
+        return -id(t), t.numel() * t.element_size()  # negative: no storage address
 
 
 class SavedHandle:
