@@ -32,7 +32,6 @@ node's death then goes through a dict dealloc, which CPython's trashcan defers o
 
 from __future__ import annotations
 
-import collections
 import operator
 import threading
 import weakref
@@ -99,8 +98,8 @@ def reach(roots, through_released: bool = True, supports: dict | None = None) ->
     """
     out: dict = {}
     sup: dict = {} if supports is None else supports
-    queue: collections.deque = collections.deque()
-    kids_of = _next
+    queue: list = []  # breadth-first: read in order while the walk appends
+    deep = False
     rules = _routing.BY_TYPE
     rule_for = _routing.rule_for
     with LOCK:
@@ -110,13 +109,16 @@ def reach(roots, through_released: bool = True, supports: dict | None = None) ->
                 queue.append(node)
                 if node not in sup and _is_router(node):
                     sup[node] = _routing.every_output(node)
-        while queue:
-            node = queue.popleft()
+        for node in queue:
             label = out[node]
             kind = type(node)
             rule = rules[kind] if kind in rules else rule_for(kind)
+            if deep:
+                children(node)
             if rule is None:
-                for child in kids_of(node):
+                for child, _ in node.next_functions:  # no cache read: the edges never change
+                    if child is None:
+                        continue
                     if child not in out:
                         if through_released or RELEASED not in child.metadata:
                             out[child] = label
@@ -127,8 +129,6 @@ def reach(roots, through_released: bool = True, supports: dict | None = None) ->
                     elif child in sup and _widen_all(sup[child], _edge_numbers(node, child)):
                         queue.append(child)
             else:
-                if kids_of is children:
-                    children(node)
                 for child, nr, support in rule(node, sup[node]):
                     if child not in out:
                         if through_released or RELEASED not in child.metadata:
@@ -138,8 +138,8 @@ def reach(roots, through_released: bool = True, supports: dict | None = None) ->
                                 sup[child] = {nr: support}
                     elif child in sup and _routing.widen(sup[child], nr, support):
                         queue.append(child)
-            if kids_of is _next and len(out) >= DEEP:
-                kids_of = children
+            if not deep and len(out) >= DEEP:
+                deep = True
                 for walked in out:
                     children(walked)
     return out
@@ -162,14 +162,6 @@ def _widen_all(supports: dict, numbers) -> bool:
 
 
 DEEP = 4096  # a chain of 20k wrapped nodes was torn down safely (DESIGN.md fact 12)
-
-
-def _next(node) -> tuple:
-    """``node``'s children: the cached ones, or read from ``next_functions``."""
-    kids = node.metadata.get(_CHILDREN)
-    if kids is None:
-        return tuple(filter(None, map(_first, node.next_functions)))
-    return kids if type(kids) is tuple else (kids,)
 
 
 def walk(roots) -> list:
@@ -207,7 +199,12 @@ def saved(node, foreign: list | None = None) -> tuple[list[SavedHandle], str]:
         try:  # what the pack hook returned, without unpacking it
             value = getattr(node, attr)
             if type(value) is _SavedTensor:
-                packed = (value.data,)
+                p = value.data
+                if type(p) is SavedHandle:  # the common case, without the inner loop
+                    if p not in handles:
+                        handles.append(p)
+                    continue
+                packed = (p,)
             else:  # a list of tensors (``_raw_saved_indices``, ``_raw_saved_tensors``)
                 packed = [v.data for v in value if v is not None]
         except RuntimeError:  # freed by a pass that did not retain the graph
