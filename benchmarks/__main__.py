@@ -87,7 +87,7 @@ def main(argv=None):
             for s in ["floor"] + cfg["strategies"]:
                 jobs.append(dict(kind="step", config=cfg, strategy=s, level=level, repeats=repeats,
                                  device=args.device, threads=args.threads, round=r))
-    reps = {"full": 5, "quick": 1, "tiny": 1}[level]
+    reps = {"full": 11, "quick": 1, "tiny": 1}[level]  # paired ratios of a shared machine: ±5% a round
     for cfg in cfgs:
         jobs.append(dict(kind="timing", config=cfg, strategies=[s for s in cfg["strategies"]],
                          level=level, reps=reps, device=args.device, threads=args.threads))
@@ -131,6 +131,7 @@ def main(argv=None):
         level=level,
         rounds=rounds,
         repeats=repeats,
+        timing_rounds=reps,
         threads=args.threads,
         command="python -m benchmarks " + " ".join(argv),
         elapsed_s=elapsed,

@@ -113,7 +113,8 @@ def write(results, meta, out_dir) -> str:
              + (" -- **WARNING: graphprune's source changed while this suite ran; rerun.**"
                 if meta.get("graphprune_changed_during_run") else " (unchanged during the run)."))
     L.append("")
-    L.append(_METHOD.format(threads=meta["threads"], rounds=meta["rounds"], repeats=meta["repeats"]))
+    L.append(_METHOD.format(threads=meta["threads"], rounds=meta["rounds"], repeats=meta["repeats"],
+                            timing_rounds=meta.get("timing_rounds", "the")))
     L.append("")
     L += _targets(cfgs, merged, scaling, O.rows(overhead, scaling))
     for name, cfg in cfgs.items():
@@ -167,8 +168,9 @@ _METHOD = """## Method
   same run. On a shared 2-core machine these carry drift between processes of up to
   ~20% (compare `drop_refs`, which does `retain`'s work minus nothing, to `retain`).
   So the suite also times every strategy **interleaved in one process** (one step of
-  each per round, order rotated each round, one warm-up round): *time s, interleaved*
-  is the median there, and *x retain, paired* the median over rounds of
+  each per round, order rotated each round, one warm-up round, then {timing_rounds}
+  measured rounds): *time s, interleaved* is the median there, and *x retain, paired*
+  the median over rounds of
   (strategy's step / `retain`'s step in the same round). The time targets are judged
   on the paired ratio; both are printed.
 * **Tracking overhead** (`benchmarks/overhead.py`): plain PyTorch and `graphprune.track()`

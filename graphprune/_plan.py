@@ -162,7 +162,9 @@ class Plan:
         reasons: dict[int, str] = {}
         for node in self.reach:
             handles, kind = saved(node)
-            if len(handles) == 1:  # the common case, without the list
+            if not handles:
+                live = handles
+            elif len(handles) == 1:  # the common case, without the list
                 live = handles if handles[0].tensor is not None else []
             else:
                 live = [h for h in handles if h.tensor is not None]

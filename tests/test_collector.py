@@ -96,8 +96,10 @@ def test_collector_nested_and_concurrent_pauses_resume_once(restore_gc):
 
 
 def test_collector_resumes_when_a_walk_raises(restore_gc):
-    with pytest.raises(ValueError):
-        gp.prune_after(torch.ones(2, requires_grad=True))  # a leaf: no graph
-    with pytest.raises(ZeroDivisionError), _collector.paused():
-        1 / 0
+    x, y = _chain(20)
+    with pytest.raises(TypeError, match="keep must be a tensor"):
+        gp.prune_after(y, keep="x")  # raised inside the plan, after the walk from y
+    assert gc.isenabled()
+    with pytest.raises(ValueError, match="no grad_fn"):
+        gp.prune_after(torch.ones(2, requires_grad=True))
     assert gc.isenabled()
