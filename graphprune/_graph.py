@@ -9,12 +9,13 @@ needs from the nodes themselves:
   object without unpacking it (under ``checkpoint`` nothing is recomputed, DESIGN.md
   fact 13); read again on every walk, never cached: a handle cached on the node
   would outlive a plain ``backward()`` that freed it, and keep its tensor;
-- its children, cached in ``node.metadata`` on the first walk (see below), so that
-  a trunk walked once is read from the cache by every later prune;
+- its children from ``next_functions``, on every walk: edges never change, and
+  reading them costs less than a cache of them would (a deep walk leaves one, for
+  the teardown, below);
 - the marks prunes leave (released, finished, guarded) as metadata keys.
 
-Each walked node costs its wrapper and its metadata dict: no record object, no
-tensor, nothing that outlives the node. A node is identified by its wrapper, which
+Each walked node costs its wrapper: no record object, no tensor, nothing that
+outlives the node. A node is identified by its wrapper, which
 stays the same object while the node lives.
 
 ``CopySlices`` (an in-place op on a view) hides the node that saved the tensors;
@@ -25,9 +26,10 @@ NOTE [ Deep graphs and Python wrappers ]
 On torch 2.13 a ``grad_fn`` wrapper, once created, is kept by its C++ node, and a
 chain of wrapped nodes is destroyed by recursing through the wrappers' deallocs:
 ~50k nodes overflow the C stack (DESIGN.md fact 12). Walking the graph creates the
-wrappers, so each walked node's metadata dict holds its children's wrappers: a
-node's death then goes through a dict dealloc, which CPython's trashcan defers once
-50 of them are nested, and the teardown unwinds instead of recursing 200k levels.
+wrappers, so a walk of ``DEEP`` nodes or more leaves in each node's metadata dict
+its children's wrappers (``children``): a node's death then goes through a dict
+dealloc, which CPython's trashcan defers once 50 of them are nested, and the
+teardown unwinds instead of recursing 200k levels.
 """
 
 from __future__ import annotations
@@ -64,8 +66,9 @@ _SCALAR_DTYPES = (torch.float64, torch.int64, torch.complex128, torch.bool)
 
 
 def children(node) -> tuple:
-    """``node``'s children (wrappers), cached in its metadata on the first call: a
-    lone child as itself, so that a chain costs no tuple per node."""
+    """``node``'s children (wrappers), left in its metadata on the first call (NOTE
+    [ Deep graphs and Python wrappers ]): a lone child as itself, so that a chain
+    costs no tuple per node."""
     md = node.metadata
     kids = md.get(_CHILDREN)
     if kids is not None:
@@ -92,9 +95,9 @@ def reach(roots, through_released: bool = True, supports: dict | None = None) ->
     a pass that reaches one with a non-zero gradient raises, so nothing behind it
     can be used that way (a zero-gradient pass needs nothing kept).
 
-    A walk of fewer than ``DEEP`` nodes reads ``next_functions`` and leaves nothing on
-    the nodes: no chain it wrapped can be longer than the walk. A longer walk caches
-    every node's children (NOTE [ Deep graphs and Python wrappers ]).
+    A walk of fewer than ``DEEP`` nodes leaves nothing on the nodes: no chain it
+    wrapped can be longer than the walk. A longer walk leaves every node's children
+    in its metadata (NOTE [ Deep graphs and Python wrappers ]).
     """
     out: dict = {}
     sup: dict = {} if supports is None else supports

@@ -68,7 +68,8 @@ def held_elsewhere(group: list[SavedHandle], address: int | None = None) -> bool
     """Whether anything but ``group`` uses the storage its handles share (at
     ``address``, found if ``None``): another reference to a tensor a handle holds as
     it is (a leaf: a parameter, an input), or another tensor on the storage (the
-    output a handle's detached alias came from)."""
+    output a handle's detached alias came from). A view's ``storage_of`` made the
+    storage's Python object, which the storage keeps: one use more (``wrapped``)."""
     if len(group) == 1:  # the common case, without the dict
         h = group[0]
         if sys.getrefcount(h.tensor) > 2:  # the handle, getrefcount's argument
@@ -82,7 +83,6 @@ def held_elsewhere(group: list[SavedHandle], address: int | None = None) -> bool
             mine = sum(h.tensor is t for h in group)
             if sys.getrefcount(t) - mine - 3 > 0:  # 3: the dict, the loop, getrefcount's argument
                 return True
-        # a view's storage_of made the storage's Python object, which the storage keeps: one use
         wrapped = any(h.view for h in group)
     try:
         if address is None:

@@ -9,7 +9,7 @@ NOTE [ What the forward pays ]
 The pack hook runs once per saved tensor of every op of every forward, so a handle
 is one small object and nothing else: the tensor, its version, the tape and whether
 it is a parameter. Which node owns it, its storage and its size are found at prune
-time (``_graph.saved_handles`` reads ``node._raw_saved_*``), never in the forward.
+time (``_graph.saved`` reads ``node._raw_saved_*``), never in the forward.
 """
 
 from __future__ import annotations
