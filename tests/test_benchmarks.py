@@ -91,3 +91,13 @@ def test_json_has_a_measurement_per_job(suite):
     parts = {r["job"]["part"]: r for r in data["results"] if r["job"]["kind"] == "overhead"}
     assert set(parts) == {"chain", "transformer", "memory"}
     assert all(r["ok"] for r in parts.values()), [r.get("error") for r in parts.values()]
+
+
+def test_compare_prune_reports_each_checkout(capsys):
+    from benchmarks import compare_prune
+
+    assert compare_prune.main([ROOT, "--nodes", "40", "--rounds", "1", "--repeats", "1"]) == 0
+    line = capsys.readouterr().out.strip()
+    numbers = re.fullmatch(rf"{re.escape(ROOT)}: explain_us_per_node (\S+), prune_us_per_node (\S+)", line)
+    assert numbers is not None, line
+    assert all(float(v) > 0 for v in numbers.groups())
