@@ -10,52 +10,65 @@ graphprune's pack hook: graphprune holds them, outside any node, for as long as 
 region's nodes live. A prune cannot free them (the region may be recomputed), but a
 report must count them, or they would be held and not said.
 
-The pack hook tells such a save by its caller's code (``save_inputs``, or the list
-comprehension in it: one frame lookup per save) and files the handle under the
-region's frame object (weakly). A report finds a foreign node's region by the
-holders the node saved, which the frame lists (weakly) as it packs them.
+The forward does nothing for this. A report finds a foreign node's region through
+the unpack hook checkpoint gave the node's saved tensors (a closure over the
+region's ``_CheckpointFrame``), and the region's inputs in ``frame.saved_args``:
+``SavedTensor`` objects whose ``.data`` is what graphprune's pack hook returned,
+read without unpacking (DESIGN.md fact 13).
 """
 
 from __future__ import annotations
 
-import types
-import weakref
-from typing import TYPE_CHECKING
+import torch
 
-if TYPE_CHECKING:
-    from ._saved import SavedHandle
+from ._graph import saved_attributes
+from ._marks import STRAYS
+from ._saved import SavedHandle
 
-__all__ = ["CHECKPOINT_CODES", "note_input", "inputs_of"]
+__all__ = ["inputs_of"]
 
 try:
     from torch.utils.checkpoint import _CheckpointFrame
+except ImportError:  # another torch: no region to find, nothing counted
+    _CheckpointFrame = None
 
-    _SAVE_INPUTS = _CheckpointFrame.save_inputs.__code__
-    CHECKPOINT_CODES = frozenset(
-        [_SAVE_INPUTS, *(c for c in _SAVE_INPUTS.co_consts if isinstance(c, types.CodeType))]
-    )
-except (ImportError, AttributeError):  # another torch: nothing to tell, nothing counted
-    _SAVE_INPUTS = None
-    CHECKPOINT_CODES = frozenset()
-
-_inputs: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # frame -> [SavedHandle]
+_SavedTensor = torch._C._autograd.SavedTensor
 
 
-def note_input(handle: SavedHandle, caller) -> None:
-    """File ``handle`` under the checkpoint frame whose ``save_inputs`` (``caller`` or
-    its caller) packed it."""
-    frame = caller if caller.f_code is _SAVE_INPUTS else caller.f_back
-    region = frame.f_locals.get("self") if frame is not None else None
-    if region is not None:
-        _inputs.setdefault(region, []).append(handle)
+def inputs_of(nodes) -> list[SavedHandle]:
+    """The live handles graphprune holds for the inputs of the checkpointed regions
+    that built ``nodes`` (foreign nodes; others add nothing)."""
+    regions: dict[int, object] = {}
+    for node in nodes:
+        for region in _regions_of(node):
+            regions.setdefault(id(region), region)
+    handles: dict[int, SavedHandle] = {}
+    for region in regions.values():
+        for s in getattr(region, "saved_args", None) or ():
+            h = s.data if type(s) is _SavedTensor else None
+            if type(h) is SavedHandle and h.tensor is not None:
+                handles.setdefault(id(h), h)
+    return list(handles.values())
 
 
-def inputs_of(holder_ids: set[int]) -> list[SavedHandle]:
-    """The live input handles of the regions that saved one of these holders."""
-    out: list[SavedHandle] = []
-    if not holder_ids:
-        return out
-    for region, handles in list(_inputs.items()):
-        if any(id(ref()) in holder_ids for ref in region.weak_holders):
-            out += [h for h in handles if h.tensor is not None]
-    return out
+def _regions_of(node):
+    """The ``_CheckpointFrame`` objects the unpack hooks of ``node``'s saved tensors close over."""
+    if _CheckpointFrame is None:
+        return
+    for attr in saved_attributes(type(node)):
+        if attr is STRAYS:  # a CopySlices: no hooks of its own
+            continue
+        try:
+            value = getattr(node, attr)
+        except RuntimeError:  # freed by a pass that did not retain the graph
+            continue
+        for s in value if isinstance(value, (list, tuple)) else (value,):
+            if type(s) is not _SavedTensor:
+                continue
+            for cell in getattr(s.unpack_hook, "__closure__", None) or ():
+                try:
+                    content = cell.cell_contents
+                except ValueError:  # an empty cell
+                    continue
+                if isinstance(content, _CheckpointFrame):
+                    yield content

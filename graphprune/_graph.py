@@ -50,7 +50,7 @@ if TYPE_CHECKING:
     from torch.autograd.graph import Node
 
 __all__ = [
-    "LOCK", "TRACKED", "FOREIGN", "UNTRACKED", "children", "saved", "foreign_objects", "is_accumulator",
+    "LOCK", "TRACKED", "FOREIGN", "UNTRACKED", "children", "saved", "saved_attributes", "is_accumulator",
     "live_handles", "reach", "walk",
     "name", "attach_hidden",
 ]
@@ -178,14 +178,14 @@ def is_accumulator(node) -> bool:
     return hasattr(node, "variable")
 
 
-def saved(node, foreign: list | None = None) -> tuple[list[SavedHandle], str]:
+def saved(node) -> tuple[list[SavedHandle], str]:
     """The handles ``node`` saved (live or released), and its kind: ``"tracked"``
     (graphprune holds its saved tensors, or it saved none), ``"foreign"`` (other
     saved-tensor hooks hold them: checkpoint, save_on_cpu) or ``"untracked"`` (built
     outside ``track()``: PyTorch holds them)."""
     names = _saved_names.get(type(node))
     if names is None:
-        names = _saved_names[type(node)] = _saved_attributes(type(node))
+        names = saved_attributes(type(node))
     if len(names) == 1 and names[0] is not STRAYS:  # the common case, without the loop
         try:
             value = getattr(node, names[0])
@@ -223,24 +223,19 @@ def saved(node, foreign: list | None = None) -> tuple[list[SavedHandle], str]:
                     kind = UNTRACKED
             else:
                 kind = FOREIGN
-                if foreign is not None:
-                    foreign.append(p)
     return handles, TRACKED if handles else kind
 
 
-def foreign_objects(node) -> list:
-    """What other saved-tensor hooks returned for ``node``'s saved tensors (a
-    ``checkpoint`` holder, ...), read as :func:`saved` reads graphprune's handles."""
-    out: list = []
-    saved(node, out)
-    return out
-
-
-def _saved_attributes(node_type: type) -> tuple[str, ...]:
+def saved_attributes(node_type: type) -> tuple[str, ...]:
     """Where a node of ``node_type`` keeps what it saved; ``STRAYS`` for a CopySlices."""
-    if node_type.__name__ == "CopySlices":
-        return (STRAYS,)
-    return tuple(n for n in dir(node_type) if n.startswith("_raw_saved_"))
+    names = _saved_names.get(node_type)
+    if names is None:
+        if node_type.__name__ == "CopySlices":
+            names = (STRAYS,)
+        else:
+            names = tuple(n for n in dir(node_type) if n.startswith("_raw_saved_"))
+        _saved_names[node_type] = names
+    return names
 
 
 def live_handles(node) -> list[SavedHandle]:

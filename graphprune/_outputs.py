@@ -71,16 +71,18 @@ def note(tensors, ours: bool = True) -> None:
             _append(ref)
 
 
-def note_one(t: torch.Tensor) -> None:
+def note_one(t: torch.Tensor, frame=None) -> None:
     """Note ``t``, made by a torch call under a tape, with the user's frame that made
-    it: the first one outside torch and graphprune (none in a TorchScript fork's
-    interop thread). This runs for every torch call."""
+    it: the first one outside torch and graphprune, from ``frame`` (the torch call's
+    caller, if the recorder has it) outwards (none in a TorchScript fork's interop
+    thread). This runs for every torch call."""
     if weakref.getweakrefcount(t) and output_of(t) is not None:  # an op that returned its
         return  # input (in place, ``contiguous()``): noted once, however often
-    try:
-        frame = sys._getframe(2)  # this, the recorder, then the caller of the torch call
-    except ValueError:
-        frame = None
+    if frame is None:
+        try:
+            frame = sys._getframe(2)  # this, the recorder, then the caller of the torch call
+        except ValueError:
+            frame = None
     while frame is not None:
         inside = _library_code.get(frame.f_code)
         if inside is None:

@@ -18,7 +18,6 @@ from ._graph import (
     TRACKED,
     UNTRACKED,
     _is_router,
-    foreign_objects,
     is_accumulator,
     name,
     reach,
@@ -185,8 +184,7 @@ class Plan:
             kept_by[reason].append(live)
             kept_nodes[reason].append(node)
         if _FOREIGN_REASON in kept_by:  # NOTE [ What a checkpointed region keeps ] in _checkpoint.py
-            holders = {id(o) for node in kept_nodes[_FOREIGN_REASON] for o in foreign_objects(node)}
-            inputs = inputs_of(holders)
+            inputs = inputs_of(kept_nodes[_FOREIGN_REASON])
             if inputs:
                 reason = _FOREIGN_REASON + _CHECKPOINT_INPUTS
                 kept_by[reason] = kept_by.pop(_FOREIGN_REASON)

@@ -9,21 +9,21 @@ NOTE [ What the forward pays ]
 The pack hook runs once per saved tensor of every op of every forward, so a handle
 is one small object and nothing else: the tensor, its version, the tape and whether
 it is a parameter. Which node owns it, its storage and its size are found at prune
-time (``_graph.saved`` reads ``node._raw_saved_*``), never in the forward.
+time (``_graph.saved`` reads ``node._raw_saved_*``), never in the forward. The hook
+is one closure per tape (no ``functools.partial``, no second call) and reads no
+frame: a checkpointed region's inputs are found from the region when a report asks
+(NOTE [ What a checkpointed region keeps ] in ``_checkpoint.py``).
 """
 
 from __future__ import annotations
 
-import sys
-
 import torch
 
-from ._checkpoint import CHECKPOINT_CODES, note_input
 from ._marks import node_name
 from ._zero import in_zero_pass, placeholder
 from .errors import InplaceModifiedError, ReleasedTensorError, released_message
 
-__all__ = ["SavedHandle", "pack", "storage_of"]
+__all__ = ["SavedHandle", "pack_hook", "storage_of"]
 
 
 def storage_of(h: SavedHandle) -> tuple[int, int]:
@@ -101,16 +101,24 @@ class SavedHandle:
         )
 
 
-def pack(t: torch.Tensor, tape: int) -> SavedHandle:
-    """The handle for ``t``, saved under tape ``tape``; see NOTE [ What the forward pays ]."""
-    if t.is_leaf:
-        h = SavedHandle(t, t._version, tape, True, t._is_view())
-    else:
-        h = SavedHandle(t.detach(), t._version, tape, False, t._is_view())
-    caller = sys._getframe().f_back  # None in a TorchScript interop thread: no Python caller
-    if caller is not None and caller.f_code in CHECKPOINT_CODES:  # NOTE [ What a checkpointed region keeps ]
-        note_input(h, caller)
-    return h
+def pack_hook(tape: int):
+    """The pack hook of tape number ``tape``: ``t`` -> its :class:`SavedHandle`.
+
+    Example::
+
+        >>> import torch
+        >>> h = pack_hook(7)(torch.ones(2, requires_grad=True) * 2)
+        >>> h.tape, h.leaf, h.tensor.grad_fn is None
+        (7, False, True)
+    """
+
+    def pack(t: torch.Tensor) -> SavedHandle:  # NOTE [ What the forward pays ]
+        if t.is_leaf:
+            return SavedHandle(t, t._version, tape, True, t._is_view())
+        return SavedHandle(t.detach(), t._version, tape, False, t._is_view())
+
+    pack.__graphprune__ = True
+    return pack
 
 
 def _describe(t: torch.Tensor) -> str:

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import functools
 import itertools
 import sys
 import threading
@@ -16,7 +15,7 @@ from torch.overrides import TorchFunctionMode
 from . import _outputs
 from ._graph import attach_hidden, children
 from ._routing import stamp_setitem
-from ._saved import SavedHandle, pack
+from ._saved import SavedHandle, pack_hook
 
 __all__ = ["Tape", "track"]
 
@@ -27,6 +26,7 @@ _NoSubclassDispatch = torch._C.DisableTorchFunctionSubclass
 _is_compiling = torch.compiler.is_compiling
 _anomaly_enabled = torch.is_anomaly_enabled
 _note_one = _outputs.note_one
+_getframe = sys._getframe
 _local = threading.local()  # .tapes: this thread's open tapes, innermost last
 _Tensor = torch.Tensor
 _inplace_funcs: dict = {}  # func -> whether it modifies its first argument in place
@@ -76,11 +76,21 @@ class _OutputRecorder(TorchFunctionMode):
             inplace = _inplace_funcs[func] = _is_inplace(func)
         if inplace and args and isinstance(args[0], _Tensor) and _is_view(args[0]):
             return _call_inplace_on_view(func, args, kwargs)
-        out = _as_caller(func, args, kwargs)
-        if type(out) is _Tensor:  # the common case, inlined: this runs for every torch call
+        try:  # _as_caller, inlined: this runs for every torch call
+            frame = _getframe(1)
+        except ValueError:  # no Python caller: a TorchScript fork's interop thread
+            frame = None
+            out = func(*args, **kwargs)
+        else:
+            caller = frame
+            if frame.f_code is _HANDLE_TORCH_FUNCTION and frame.f_back is not None:
+                caller = frame.f_back.f_back or frame
+            call = _call_sites.get((caller.f_code, caller.f_lasti)) or _call_site(caller)
+            out = call(func, args, kwargs)
+        if type(out) is _Tensor:  # the common case, inlined
             try:
                 if not out.is_leaf:
-                    _note_one(out)
+                    _note_one(out, frame)
                 for a in args:
                     if type(a) is _Tensor:
                         if not getweakrefcount(a) and a.requires_grad and not a.is_leaf:
@@ -106,24 +116,30 @@ def _as_caller(func, args, kwargs):
     call goes through a two-line function compiled as if it stood at the caller's
     line, in the caller's file, with the caller's globals (module and registry): the
     warning is filed exactly where plain PyTorch files it. One function per call
-    site, made once. A torch function written in Python (``F.softmax``) reaches the
-    mode through ``handle_torch_function``: its caller is two frames further out.
+    site (a code object and instruction: ``f_lasti`` is read in O(1), ``f_lineno``
+    walks the line table), made once. A torch function written in Python
+    (``F.softmax``) reaches the mode through ``handle_torch_function``: its caller is
+    two frames further out. ``_OutputRecorder.__torch_function__`` inlines this.
     """
     try:
-        frame = sys._getframe(2)
+        frame = _getframe(2)
     except ValueError:  # no Python caller: a TorchScript fork's interop thread
         return func(*args, **kwargs)
     if frame.f_code is _HANDLE_TORCH_FUNCTION and frame.f_back is not None:
         frame = frame.f_back.f_back or frame
-    key = (frame.f_code, frame.f_lineno)
-    call = _call_sites.get(key)
-    if call is None:
-        if len(_call_sites) > 65536:  # generated code (torch.fx, exec) makes ever new sites
-            _call_sites.clear()
-        line = max(2, key[1] or frame.f_code.co_firstlineno)
-        code = _CALL_CODE.replace(co_filename=frame.f_code.co_filename, co_firstlineno=line - 1)
-        call = _call_sites[key] = types.FunctionType(code, frame.f_globals, _CALL_CODE.co_name)
+    call = _call_sites.get((frame.f_code, frame.f_lasti)) or _call_site(frame)
     return call(func, args, kwargs)
+
+
+def _call_site(frame):
+    """The ``_graphprune_call`` for the instruction ``frame`` is at, made and filed."""
+    if len(_call_sites) > 65536:  # generated code (torch.fx, exec) makes ever new sites
+        _call_sites.clear()
+    code = frame.f_code
+    line = max(2, frame.f_lineno or code.co_firstlineno)
+    made = _CALL_CODE.replace(co_filename=code.co_filename, co_firstlineno=line - 1)
+    call = _call_sites[(code, frame.f_lasti)] = types.FunctionType(made, frame.f_globals, _CALL_CODE.co_name)
+    return call
 
 
 def _call_code() -> types.CodeType:
@@ -134,7 +150,7 @@ def _call_code() -> types.CodeType:
 
 _CALL_CODE = _call_code()
 _HANDLE_TORCH_FUNCTION = torch.overrides.handle_torch_function.__code__
-_call_sites: dict = {}  # (code, line) of a caller -> its _graphprune_call
+_call_sites: dict = {}  # (code, instruction) of a caller -> its _graphprune_call
 
 
 def _is_view(t: torch.Tensor) -> bool:
@@ -275,11 +291,10 @@ class Tape:
         self._thread = threading.get_ident()
         self.first_seq = torch._C._autograd._get_sequence_nr()
         if self.timeline is None:
-            pack_hook = functools.partial(pack, tape=self.id)
-            pack_hook.__graphprune__ = True
+            pack = pack_hook(self.id)
         else:  # NOTE [ What the timeline counts ] in _timeline.py
-            pack_hook = self.timeline.pack_hook(self.id)
-        hooks = torch.autograd.graph.saved_tensors_hooks(pack_hook, SavedHandle.unpack)
+            pack = self.timeline.pack_hook(self.id)
+        hooks = torch.autograd.graph.saved_tensors_hooks(pack, SavedHandle.unpack)
         hooks.__enter__()
         if self.modules is not None:
             self.modules.start()

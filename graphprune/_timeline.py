@@ -17,7 +17,6 @@ Without a timeline none of this exists: ``track()`` installs the plain pack hook
 
 from __future__ import annotations
 
-import sys
 import threading
 import time
 import weakref
@@ -25,8 +24,7 @@ from typing import NamedTuple
 
 import torch
 
-from ._checkpoint import CHECKPOINT_CODES, note_input
-from ._saved import SavedHandle, pack, storage_of
+from ._saved import SavedHandle, pack_hook, storage_of
 
 __all__ = ["Timeline", "Event", "plot_timeline"]
 
@@ -98,11 +96,10 @@ class Timeline:
     def pack_hook(self, tape: int):
         """The pack hook a tape installs for this timeline: graphprune's, counted."""
 
+        pack = pack_hook(tape)
+
         def timed_pack(t: torch.Tensor) -> SavedHandle:
-            h = pack(t, tape)
-            caller = sys._getframe().f_back  # pack saw this function as its caller
-            if caller is not None and caller.f_code in CHECKPOINT_CODES:
-                note_input(h, caller)
+            h = pack(t)
             if h.leaf:
                 if t.requires_grad:  # a parameter: not the graph's memory
                     return h
