@@ -148,6 +148,29 @@ def _steady(forward, k=3) -> float:
     return dt
 
 
+class _NoOpMode(TorchFunctionMode):
+    """The floor's mode: sees every torch call, does nothing with it."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        return func(*args, **(kwargs or {}))
+
+
+def _detach(t):
+    return t.detach()
+
+
+def _lean(forward):
+    """``forward`` under the floor any tracker pays: a no-op ``TorchFunctionMode`` and a
+    pack hook that detaches (the issue's lean prototype), measured beside graphprune
+    so that the µs per call say what the machine costs and what graphprune adds."""
+    with _NoOpMode(), torch.autograd.graph.saved_tensors_hooks(_detach, _identity):
+        return forward()
+
+
+def _identity(t):
+    return t
+
+
 def run_chain(size) -> dict:
     n = size["chain"]
     w, c = torch.randn(16, requires_grad=True), torch.ones(16)
@@ -159,20 +182,29 @@ def run_chain(size) -> dict:
         with gp.track():
             return _mul_chain(w, c, n)
 
+    def floor():
+        return _lean(plain)
+
     counts = census(lambda: [plain()])
-    t = {k: [] for k in ("plain", "gp", "plain3", "gp3")}
+    t = {k: [] for k in ("plain", "gp", "floor", "plain3", "gp3", "floor3")}
     for rnd in range(size["chain_rounds"] + 1):  # round 0 warms up
-        pairs = [("plain", plain), ("gp", tracked)][:: 1 if rnd % 2 else -1]
-        one = {k: _one(f) for k, f in pairs}
-        three = {k + "3": _steady(f) for k, f in pairs}
+        runs = [("plain", plain), ("gp", tracked), ("floor", floor)]
+        runs = runs[rnd % 3:] + runs[:rnd % 3]  # the order turns round by round
+        one = {k: _one(f) for k, f in runs}
+        three = {k + "3": _steady(f) for k, f in runs}
         if rnd:
             for k, v in {**one, **three}.items():
                 t[k].append(v)
     calls = counts["calls"]
+
+    def over(key, plain_key, forwards):
+        return _paired(t[key], t[plain_key], lambda a, b: (a - b) / (forwards * calls) * 1e6)
+
     return dict(calls=calls, census=counts, times_s=t,
                 median_s={k: statistics.median(v) for k, v in t.items()},
-                us_per_call=_paired(t["gp"], t["plain"], lambda a, b: (a - b) / calls * 1e6),
-                steady_us_per_call=_paired(t["gp3"], t["plain3"], lambda a, b: (a - b) / (3 * calls) * 1e6))
+                us_per_call=over("gp", "plain", 1), steady_us_per_call=over("gp3", "plain3", 3),
+                floor_us_per_call=over("floor", "plain", 1),
+                floor_steady_us_per_call=over("floor3", "plain3", 3))
 
 
 # -- the small transformer ------------------------------------------------------------
@@ -284,7 +316,7 @@ def _row(measure, plain, graphprune, value, target, ok, workload, strategy="trac
 def _chain_rows(r) -> list[dict]:
     m, n = r["median_s"], r["calls"]
     wl = f"overhead/chain ({n} x mul, 16 floats)"
-    return [
+    rows = [
         _row(f"tiny-op chain, one forward: {n} x `torch.mul` on 16 floats", f"{m['plain'] * 1e3:.1f} ms",
              f"{m['gp'] * 1e3:.1f} ms", f"+{r['us_per_call']:.2f} µs/call", f"≤ {CALL_US:g} µs/call",
              r["us_per_call"] <= CALL_US, wl),
@@ -293,6 +325,15 @@ def _chain_rows(r) -> list[dict]:
              f"+{r['steady_us_per_call']:.2f} µs/call", f"≤ {STEADY_US:g} µs/call",
              r["steady_us_per_call"] <= STEADY_US, wl),
     ]
+    if "floor_us_per_call" in r:  # the machine's floor: a no-op mode and a detaching pack hook
+        rows.append(_row(
+            "the floor on this machine (no target): a no-op `TorchFunctionMode` and a pack hook that "
+            "detaches, one forward / steady state", f"{m['plain'] * 1e3:.1f} ms",
+            f"floor {m['floor'] * 1e3:.1f} ms", f"+{r['floor_us_per_call']:.2f} / "
+            f"+{r['floor_steady_us_per_call']:.2f} µs/call; graphprune over it +"
+            f"{r['us_per_call'] - r['floor_us_per_call']:.2f} / "
+            f"+{r['steady_us_per_call'] - r['floor_steady_us_per_call']:.2f}", "—", None, wl, "floor"))
+    return rows
 
 
 def _transformer_rows(r) -> list[dict]:

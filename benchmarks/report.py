@@ -255,7 +255,7 @@ def _targets(cfgs, merged, scaling, overhead_rows):
             L.append(f"| prune_after <= {PRUNE_TOL:.0%} of the backward it follows (real workload) | "
                      f"{name} | gp_prune | {p / b * 100:.1f}% ({p * 1e3:.2f} ms vs {b * 1e3:.1f} ms) | "
                      f"{_verdict(p / b <= PRUNE_TOL)} |")
-    for r in overhead_rows:
+    for r in (r for r in overhead_rows if r["ok"] is not None):  # rows with a target
         L.append(f"| {r['measure']}: {r['target']} | {r['workload']} | {r['strategy']} | {r['value']} | "
                  f"{_verdict(r['ok'])} |")
     L.append("")
@@ -339,6 +339,8 @@ def _overhead_jobs_line(overhead):
 
 
 def _verdict(ok, measurable=True):
+    if ok is None:  # a row measured for reference, with no target
+        return "—"
     if not measurable:
         return "n/a (nothing measurable at these sizes)"
     return "met" if ok else "**MISSED**"

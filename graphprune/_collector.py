@@ -44,30 +44,43 @@ _depth = 0
 _resume = False  # whether the collector was on when the first walk paused it
 
 
-@contextlib.contextmanager
-def paused():
-    """The collector off inside the block (NOTE [ The collector and the walk ])."""
+def _pause() -> None:
     global _depth, _resume
     with _lock:
         if _depth == 0:
             _resume = gc.isenabled()
             gc.disable()
         _depth += 1
+
+
+def _unpause() -> None:
+    global _depth
+    with _lock:
+        _depth -= 1
+        if _depth == 0 and _resume:
+            gc.enable()
+
+
+@contextlib.contextmanager
+def paused():
+    """The collector off inside the block (NOTE [ The collector and the walk ])."""
+    _pause()
     try:
         yield
     finally:
-        with _lock:
-            _depth -= 1
-            if _depth == 0 and _resume:
-                gc.enable()
+        _unpause()
 
 
 def walks(method):
-    """Run ``method`` with the collector paused: a method that walks a graph."""
+    """Run ``method`` with the collector paused: a method that walks a graph (no
+    ``contextlib`` generator per call: a prune makes several such calls)."""
 
     @functools.wraps(method)
     def paused_method(*args, **kwargs):
-        with paused():
+        _pause()
+        try:
             return method(*args, **kwargs)
+        finally:
+            _unpause()
 
     return paused_method

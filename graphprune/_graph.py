@@ -50,13 +50,16 @@ if TYPE_CHECKING:
     from torch.autograd.graph import Node
 
 __all__ = [
-    "LOCK", "TRACKED", "FOREIGN", "UNTRACKED", "children", "saved", "saved_attributes", "is_accumulator",
+    "LOCK", "TRACKED", "FOREIGN", "UNTRACKED", "NOTHING_SAVED", "children", "saved", "saved_attributes",
+    "saves_nothing", "is_accumulator",
     "live_handles", "reach", "walk",
     "name", "attach_hidden",
 ]
 
 _CHILDREN = "graphprune"
 _saved_names: dict[type, tuple[str, ...]] = {}
+NOTHING_SAVED: tuple = ()  # saved() of a node type that saves nothing: no list made
+saves_nothing: set[type] = set()  # the node types saved_attributes found no _raw_saved_* on
 _first = operator.itemgetter(0)
 _SavedTensor = torch._C._autograd.SavedTensor
 LOCK = threading.RLock()  # two threads may walk the same nodes
@@ -103,19 +106,23 @@ def reach(roots, through_released: bool = True, supports: dict | None = None) ->
     sup: dict = {} if supports is None else supports
     queue: list = []  # breadth-first: read in order while the walk appends
     deep = False
-    rules = _routing.BY_TYPE
+    limit = DEEP  # the walk's size at which it turns deep; then never again
+    rule_of = _routing.BY_TYPE.get  # rule_for, its cache read inline: one lookup per node
     rule_for = _routing.rule_for
+    unknown = _routing.UNKNOWN
+    add = queue.append
     with LOCK:
         for i, node in enumerate(roots):
             if node is not None and node not in out and (through_released or RELEASED not in node.metadata):
                 out[node] = i
-                queue.append(node)
+                add(node)
                 if node not in sup and _is_router(node):
                     sup[node] = _routing.every_output(node)
         for node in queue:
             label = out[node]
-            kind = type(node)
-            rule = rules[kind] if kind in rules else rule_for(kind)
+            rule = rule_of(type(node), unknown)
+            if rule is unknown:
+                rule = rule_for(type(node))
             if deep:
                 children(node)
             if rule is None:
@@ -125,24 +132,26 @@ def reach(roots, through_released: bool = True, supports: dict | None = None) ->
                     if child not in out:
                         if through_released or RELEASED not in child.metadata:
                             out[child] = label
-                            queue.append(child)
-                            kind = type(child)
-                            if (rules[kind] if kind in rules else rule_for(kind)) is not None:
+                            add(child)
+                            child_rule = rule_of(type(child), unknown)
+                            if child_rule is unknown:
+                                child_rule = rule_for(type(child))
+                            if child_rule is not None:
                                 sup[child] = dict.fromkeys(_edge_numbers(node, child), ALL)
                     elif child in sup and _widen_all(sup[child], _edge_numbers(node, child)):
-                        queue.append(child)
+                        add(child)
             else:
                 for child, nr, support in rule(node, sup[node]):
                     if child not in out:
                         if through_released or RELEASED not in child.metadata:
                             out[child] = label
-                            queue.append(child)
+                            add(child)
                             if _is_router(child):
                                 sup[child] = {nr: support}
                     elif child in sup and _routing.widen(sup[child], nr, support):
-                        queue.append(child)
-            if not deep and len(out) >= DEEP:
-                deep = True
+                        add(child)
+            if len(out) >= limit:
+                deep, limit = True, float("inf")
                 for walked in out:
                     children(walked)
     return out
@@ -186,7 +195,9 @@ def saved(node) -> tuple[list[SavedHandle], str]:
     names = _saved_names.get(type(node))
     if names is None:
         names = saved_attributes(type(node))
-    if len(names) == 1 and names[0] is not STRAYS:  # the common case, without the loop
+    if not names:  # most nodes of a model (views, adds, AccumulateGrad) save nothing
+        return NOTHING_SAVED, TRACKED
+    if len(names) == 1 and names[0] is not STRAYS:  # one saved tensor, without the loop
         try:
             value = getattr(node, names[0])
         except RuntimeError:  # freed by a pass that did not retain the graph
@@ -235,6 +246,8 @@ def saved_attributes(node_type: type) -> tuple[str, ...]:
         else:
             names = tuple(n for n in dir(node_type) if n.startswith("_raw_saved_"))
         _saved_names[node_type] = names
+        if not names:
+            saves_nothing.add(node_type)
     return names
 
 

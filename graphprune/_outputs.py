@@ -56,7 +56,17 @@ class Output(weakref.ref):
 _outputs: list[Output] = []
 _limit = [1 << 16]
 _compacting = threading.Lock()
-_library_code: dict = {}  # code object -> inside torch or graphprune
+_library_code: dict[int, bool] = {}  # id of a code object -> inside a library; NOTE [ Code objects as keys ]
+_pinned_code: list = []  # the code objects _library_code knows: their ids stay theirs
+
+# NOTE [ Code objects as keys ]
+# Hashing a code object is no pointer hash: CPython 3.11 rebuilds its bytecode and
+# hashes it with its constants and names on every call (0.9 µs for
+# ``Module._call_impl``, 1.6 for ``F.multi_head_attention_forward`` on a slow
+# machine), and the recorder looks up one or more frames' code per torch call. So
+# the tables that run per call are keyed by ``id(code)``, and hold the code objects
+# they have seen, so that an id is never reused for another code object while its
+# entry lives.
 
 
 def note(tensors, ours: bool = True) -> None:
@@ -84,9 +94,10 @@ def note_one(t: torch.Tensor, frame=None) -> None:
         except ValueError:
             frame = None
     while frame is not None:
-        inside = _library_code.get(frame.f_code)
+        code = frame.f_code
+        inside = _library_code.get(id(code))  # NOTE [ Code objects as keys ]
         if inside is None:
-            inside = _inside_library(frame.f_code)
+            inside = _inside_library(code)
         if not inside:
             break
         frame = frame.f_back
@@ -94,24 +105,32 @@ def note_one(t: torch.Tensor, frame=None) -> None:
     if frame is None:
         ref.code, ref.lasti = None, 0
     else:
-        ref.code, ref.lasti = frame.f_code, frame.f_lasti
-    _append(ref)
+        ref.code, ref.lasti = code, frame.f_lasti
+    _outputs.append(ref)  # _append, inlined
+    if len(_outputs) > _limit[0]:
+        _compact_more()
 
 
 def _inside_library(code) -> bool:
     """Whether ``code`` belongs to torch, graphprune, an installed package or the
     standard library: a creation site is the user's own line, not one of those."""
-    inside = _library_code.get(code)
+    inside = _library_code.get(id(code))
     if inside is None:
-        inside = _library_code[code] = code.co_filename.startswith(_LIBRARY_DIRS)
+        _pinned_code.append(code)
+        inside = _library_code[id(code)] = code.co_filename.startswith(_LIBRARY_DIRS)
     return inside
 
 
 def _append(ref: Output) -> None:
     _outputs.append(ref)
     if len(_outputs) > _limit[0]:
-        _compact()
-        _limit[0] = max(1 << 16, 2 * len(_outputs))
+        _compact_more()
+
+
+def _compact_more() -> None:
+    """The list outgrew its limit: drop the dead references, and let it double."""
+    _compact()
+    _limit[0] = max(1 << 16, 2 * len(_outputs))
 
 
 def _compact() -> None:

@@ -15,6 +15,7 @@ from ._checkpoint import inputs_of
 from ._collector import walks
 from ._graph import (
     FOREIGN,
+    NOTHING_SAVED,
     TRACKED,
     UNTRACKED,
     _is_router,
@@ -22,6 +23,7 @@ from ._graph import (
     name,
     reach,
     saved,
+    saves_nothing,
 )
 from ._marks import FINISHED, RELEASED
 from ._report import (
@@ -160,7 +162,10 @@ class Plan:
         protected = self.protected
         reasons: dict[int, str] = {}
         for node in self.reach:
-            handles, kind = saved(node)
+            if type(node) in saves_nothing:  # saved()'s answer, without the call
+                handles, kind = NOTHING_SAVED, TRACKED
+            else:
+                handles, kind = saved(node)
             if not handles:
                 live = handles
             elif len(handles) == 1:  # the common case, without the list
@@ -189,8 +194,8 @@ class Plan:
                 reason = _FOREIGN_REASON + _CHECKPOINT_INPUTS
                 kept_by[reason] = kept_by.pop(_FOREIGN_REASON)
                 kept_nodes[reason] = kept_nodes.pop(_FOREIGN_REASON)
-                kept_by[reason][0] = kept_by[reason][0] + inputs
-        owned = _graph_owned(h for groups in kept_by.values() for live in groups for h in live)
+                kept_by[reason][0] = [*kept_by[reason][0], *inputs]
+        owned = _graph_owned(kept_by.values())
         handles = [h for live in by_node.values() for h in live]
         trunk = []
         held_by: dict[str, list] = {}
@@ -204,7 +209,7 @@ class Plan:
         for reason, held in held_by.items():
             unknown = reason in (_FOREIGN_REASON, _UNTRACKED_REASON)  # not graphprune's handles
             nbytes = None if unknown else unique_bytes(held, spans)
-            ids = frozenset(id(node) for node in kept_nodes[reason])
+            ids = frozenset(map(id, kept_nodes[reason]))
             kept.append(KeptReason(reason, len(kept_by[reason]), nbytes, ids))
         names = collections.Counter()
         for node in by_node:  # a name per node type: name() is a call into C++ and a string split
@@ -217,7 +222,7 @@ class Plan:
             bytes_freed=exclusive_bytes(handles, spans),
             bytes_kept=unique_bytes(trunk, spans),
             kept=tuple(kept),
-            released_ids=frozenset(id(node) for node in by_node),
+            released_ids=frozenset(map(id, by_node)),
         )
 
     def _graph_bytes(self) -> int:
@@ -385,14 +390,17 @@ def _supports(starts) -> dict:
     return out
 
 
-def _graph_owned(handles) -> set[int]:
+def _graph_owned(groups_by_reason) -> set[int]:
     """``id``s of the tensors without a graph (a dropout mask, an RNN workspace: no
-    grad, no ``grad_fn``) that nothing but ``handles`` holds; parameters and inputs
-    the user holds are not the graph's memory."""
-    by_tensor: dict[int, list[SavedHandle]] = collections.defaultdict(list)
-    for h in handles:
-        if h.leaf and not h.tensor.requires_grad:
-            by_tensor[id(h.tensor)].append(h)
+    grad, no ``grad_fn``) that nothing but the handles of these groups (lists of
+    lists of live handles) holds; parameters and inputs the user holds are not the
+    graph's memory."""
+    by_tensor: dict[int, list[SavedHandle]] = {}
+    for groups in groups_by_reason:
+        for live in groups:
+            for h in live:
+                if h.leaf and not h.tensor.requires_grad:
+                    by_tensor.setdefault(id(h.tensor), []).append(h)
     return {key for key, group in by_tensor.items() if not held_elsewhere(group)}
 
 

@@ -33,13 +33,23 @@ def unique_bytes(handles: list[SavedHandle], spans: dict | None = None) -> int:
 
 
 def spans_of(handles) -> dict:
-    """``{handle: storage_of(handle)}`` of live handles."""
+    """``{handle: storage_of(handle)}`` of live handles; the storage of several views
+    (``q``, ``k``, ``v`` of one projection, a weight and its transpose) is asked its
+    size once."""
     out = {}
     address = torch._C._storage_address
+    storage_bytes: dict[int, int] = {}
     for h in handles:
         t = h.tensor
-        try:  # storage_of's common case, without the call
-            if not h.view and t.is_contiguous():
+        try:  # storage_of's common cases, without the call
+            if h.view:
+                key = address(t)
+                nbytes = storage_bytes.get(key)
+                if nbytes is None:
+                    nbytes = storage_bytes[key] = t.untyped_storage().nbytes()
+                out[h] = key, nbytes
+                continue
+            if t.is_contiguous():
                 out[h] = address(t), t.storage_offset() * t.element_size() + t.nbytes
                 continue
         except (RuntimeError, NotImplementedError):

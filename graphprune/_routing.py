@@ -205,6 +205,7 @@ _RULES: dict[str, Callable] = {
     "CopySlices": _copy_slices,
 }
 BY_TYPE: dict[type, Callable | None] = {}  # filled by rule_for
+UNKNOWN = object()  # BY_TYPE.get's default: a node type rule_for has not seen yet
 
 
 def rule_for(node_type: type) -> Callable | None:

@@ -23,7 +23,11 @@ _tape_ids = itertools.count(1)
 _OWN_FILE = f'"{__file__}"'
 _CALL_NAME = ", in _graphprune_call\n"
 _NoSubclassDispatch = torch._C.DisableTorchFunctionSubclass
-_is_compiling = torch.compiler.is_compiling
+# torch.compiler.is_compiling() in two reads where this torch has them: False, or
+# True where Dynamo traces the recorder (it folds is_dynamo_compiling) or export runs
+_dynamo_compiling = getattr(torch.compiler, "is_dynamo_compiling", torch.compiler.is_compiling)
+_compiler = torch.compiler if hasattr(torch.compiler, "_is_compiling_flag") else types.SimpleNamespace(
+    _is_compiling_flag=False)
 _anomaly_enabled = torch.is_anomaly_enabled
 _note_one = _outputs.note_one
 _getframe = sys._getframe
@@ -67,8 +71,8 @@ class _OutputRecorder(TorchFunctionMode):
     def __torch_function__(self, func, types, args=(), kwargs=None):
         if kwargs is None:
             kwargs = {}
-        if _is_compiling():  # Dynamo traces this: stay out of the compiled graph
-            return func(*args, **kwargs)
+        if _dynamo_compiling() or _compiler._is_compiling_flag:  # traced (Dynamo, export):
+            return func(*args, **kwargs)  # stay out of the compiled graph
         if func is _SETITEM and args and type(args[0]) is _Tensor:
             return _call_setitem(func, args, kwargs)
         inplace = _inplace_funcs.get(func)
@@ -85,7 +89,7 @@ class _OutputRecorder(TorchFunctionMode):
             caller = frame
             if frame.f_code is _HANDLE_TORCH_FUNCTION and frame.f_back is not None:
                 caller = frame.f_back.f_back or frame
-            call = _call_sites.get((caller.f_code, caller.f_lasti)) or _call_site(caller)
+            call = _call_sites.get((id(caller.f_code), caller.f_lasti)) or _call_site(caller)
             out = call(func, args, kwargs)
         if type(out) is _Tensor:  # the common case, inlined
             try:
@@ -113,11 +117,11 @@ def _as_caller(func, args, kwargs):
     Python attributes a warning raised inside a torch call to the innermost Python
     frame: under a ``TorchFunctionMode`` that is the mode's, not the caller's, which
     changes every warning's file, line, module and once-per-location registry. So the
-    call goes through a two-line function compiled as if it stood at the caller's
+    call goes through a one-line function compiled as if it stood at the caller's
     line, in the caller's file, with the caller's globals (module and registry): the
     warning is filed exactly where plain PyTorch files it. One function per call
-    site (a code object and instruction: ``f_lasti`` is read in O(1), ``f_lineno``
-    walks the line table), made once. A torch function written in Python
+    site (a code object, by id, and instruction: ``f_lasti`` is read in O(1),
+    ``f_lineno`` walks the line table), made once. A torch function written in Python
     (``F.softmax``) reaches the mode through ``handle_torch_function``: its caller is
     two frames further out. ``_OutputRecorder.__torch_function__`` inlines this.
     """
@@ -127,7 +131,7 @@ def _as_caller(func, args, kwargs):
         return func(*args, **kwargs)
     if frame.f_code is _HANDLE_TORCH_FUNCTION and frame.f_back is not None:
         frame = frame.f_back.f_back or frame
-    call = _call_sites.get((frame.f_code, frame.f_lasti)) or _call_site(frame)
+    call = _call_sites.get((id(frame.f_code), frame.f_lasti)) or _call_site(frame)
     return call(func, args, kwargs)
 
 
@@ -135,22 +139,27 @@ def _call_site(frame):
     """The ``_graphprune_call`` for the instruction ``frame`` is at, made and filed."""
     if len(_call_sites) > 65536:  # generated code (torch.fx, exec) makes ever new sites
         _call_sites.clear()
+        _site_code.clear()
     code = frame.f_code
-    line = max(2, frame.f_lineno or code.co_firstlineno)
-    made = _CALL_CODE.replace(co_filename=code.co_filename, co_firstlineno=line - 1)
-    call = _call_sites[(code, frame.f_lasti)] = types.FunctionType(made, frame.f_globals, _CALL_CODE.co_name)
+    line = max(1, frame.f_lineno or code.co_firstlineno)
+    made = _CALL_CODE.replace(co_filename=code.co_filename, co_firstlineno=line)
+    _site_code[id(code)] = code
+    call = types.FunctionType(made, frame.f_globals, _CALL_CODE.co_name)
+    _call_sites[(id(code), frame.f_lasti)] = call
     return call
 
 
 def _call_code() -> types.CodeType:
-    source = "def _graphprune_call(func, args, kwargs):\n    return func(*args, **kwargs)\n"
+    # one line, so that a call at line 1 is filed at line 1 too
+    source = "def _graphprune_call(func, args, kwargs): return func(*args, **kwargs)\n"
     module = compile(source, "<graphprune>", "exec")
     return next(c for c in module.co_consts if isinstance(c, types.CodeType))
 
 
 _CALL_CODE = _call_code()
 _HANDLE_TORCH_FUNCTION = torch.overrides.handle_torch_function.__code__
-_call_sites: dict = {}  # (code, instruction) of a caller -> its _graphprune_call
+_call_sites: dict = {}  # (id of code, instruction) of a caller -> its _graphprune_call
+_site_code: dict = {}  # id -> the code objects of _call_sites (NOTE [ Code objects as keys ] in _outputs.py)
 
 
 def _is_view(t: torch.Tensor) -> bool:

@@ -943,3 +943,20 @@ def test_warning_from_a_python_torch_function_keeps_its_stacklevel():
 
     got = both(fn).warnings  # same file and line as plain, whichever frame that is
     assert [w[0] for w in got] == [UserWarning] and "softmax" in got[0][1]
+
+
+def test_warnings_of_a_new_function_are_filed_at_its_own_line_when_an_old_ones_code_is_gone():
+    # The recorder files call sites by id(code) (NOTE [ Code objects as keys ] in
+    # _outputs.py) and holds the code objects it has seen: a function made after
+    # another one was freed can take a freed object's id, and would then have its
+    # warnings filed at the freed function's file and line.
+    module = {"torch": torch}
+    for i in range(20):
+        f = eval(compile("\n" * i + "lambda t: torch.tensor(t)", f"<generated {i}>", "eval"), module)
+        with warnings.catch_warnings(record=True) as got, gp.track():
+            warnings.simplefilter("always")
+            f(torch.ones(2))  # warns: copy construct
+        assert [(w.filename, w.lineno) for w in got if "copy construct" in str(w.message)] == [
+            (f"<generated {i}>", i + 1)
+        ]
+        del f, got
