@@ -15,7 +15,6 @@ from ._checkpoint import inputs_of
 from ._collector import walks
 from ._graph import (
     FOREIGN,
-    NOTHING_SAVED,
     TRACKED,
     UNTRACKED,
     _is_router,
@@ -156,16 +155,19 @@ class Plan:
         """The branch's live handles by node, and the report's numbers, in one pass."""
         released: collections.Counter = collections.Counter()  # by node type
         by_node: dict = {}
-        kept_by: dict[str, list[list[SavedHandle]]] = collections.defaultdict(list)
+        kept_by: dict[str, list[list[SavedHandle]]] = collections.defaultdict(list)  # the live ones
         kept_nodes: dict[str, list] = collections.defaultdict(list)
         kinds = self._kinds = set()
         protected = self.protected
         reasons: dict[int, str] = {}
         for node in self.reach:
-            if type(node) in saves_nothing:  # saved()'s answer, without the call
-                handles, kind = NOTHING_SAVED, TRACKED
-            else:
-                handles, kind = saved(node)
+            if type(node) in saves_nothing:  # most nodes: nothing to measure, only counted if kept
+                if node in protected:
+                    guard = protected[node]
+                    reason = reasons.get(guard) or reasons.setdefault(guard, self._guard_reason(guard))
+                    kept_nodes[reason].append(node)
+                continue
+            handles, kind = saved(node)
             if not handles:
                 live = handles
             elif len(handles) == 1:  # the common case, without the list
@@ -186,21 +188,22 @@ class Plan:
                     released[type(node)] += 1
                     by_node[node] = live
                 continue
-            kept_by[reason].append(live)
+            if live:
+                kept_by[reason].append(live)
             kept_nodes[reason].append(node)
-        if _FOREIGN_REASON in kept_by:  # NOTE [ What a checkpointed region keeps ] in _checkpoint.py
+        if _FOREIGN_REASON in kept_nodes:  # NOTE [ What a checkpointed region keeps ] in _checkpoint.py
             inputs = inputs_of(kept_nodes[_FOREIGN_REASON])
             if inputs:
                 reason = _FOREIGN_REASON + _CHECKPOINT_INPUTS
-                kept_by[reason] = kept_by.pop(_FOREIGN_REASON)
+                kept_by[reason] = [*kept_by.pop(_FOREIGN_REASON, []), inputs]
                 kept_nodes[reason] = kept_nodes.pop(_FOREIGN_REASON)
-                kept_by[reason][0] = [*kept_by[reason][0], *inputs]
         owned = _graph_owned(kept_by.values())
         handles = [h for live in by_node.values() for h in live]
         trunk = []
         held_by: dict[str, list] = {}
-        for reason, groups in kept_by.items():
-            held_by[reason] = [h for live in groups for h in live if not h.leaf or id(h.tensor) in owned]
+        for reason in kept_nodes:  # every reason, in the order the walk met it
+            held_by[reason] = [h for live in kept_by.get(reason, ()) for h in live
+                               if not h.leaf or id(h.tensor) in owned]
             trunk += held_by[reason]
         spans = self._spans = spans_of(trunk)
         spans.update(spans_of(handles))
@@ -210,7 +213,7 @@ class Plan:
             unknown = reason in (_FOREIGN_REASON, _UNTRACKED_REASON)  # not graphprune's handles
             nbytes = None if unknown else unique_bytes(held, spans)
             ids = frozenset(map(id, kept_nodes[reason]))
-            kept.append(KeptReason(reason, len(kept_by[reason]), nbytes, ids))
+            kept.append(KeptReason(reason, len(kept_nodes[reason]), nbytes, ids))
         names = collections.Counter()
         for node in by_node:  # a name per node type: name() is a call into C++ and a string split
             kind = type(node)
