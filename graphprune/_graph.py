@@ -111,6 +111,7 @@ def reach(roots, through_released: bool = True, supports: dict | None = None) ->
     rule_for = _routing.rule_for
     unknown = _routing.UNKNOWN
     add = queue.append
+    never_released = saves_nothing
     with LOCK:
         for i, node in enumerate(roots):
             if node is not None and node not in out and (through_released or RELEASED not in node.metadata):
@@ -130,7 +131,9 @@ def reach(roots, through_released: bool = True, supports: dict | None = None) ->
                     if child is None:
                         continue
                     if child not in out:
-                        if through_released or RELEASED not in child.metadata:
+                        # a node type that saves nothing is never released: no metadata dict made
+                        if through_released or type(child) in never_released or RELEASED not in (
+                                child.metadata):
                             out[child] = label
                             add(child)
                             child_rule = rule_of(type(child), unknown)
