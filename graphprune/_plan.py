@@ -338,8 +338,9 @@ class Plan:
     def _mark_released(nodes, reason: str) -> None:
         """Let zero-gradient passes through these nodes; stop protection walks there."""
         for node in nodes:
-            node.metadata[RELEASED] = reason
-            guard_released(node)
+            md = node.metadata
+            md[RELEASED] = reason
+            guard_released(node, md)
 
     @walks
     def release(self, ran_only: bool = False) -> None:

@@ -134,9 +134,11 @@ def forget(keys) -> None:
         _zero_pass.difference_update(keys)
 
 
-def guard_released(node) -> None:
-    """Let zero-gradient passes through ``node`` (a wrapper); once per node."""
-    md = node.metadata
+def guard_released(node, md=None) -> None:
+    """Let zero-gradient passes through ``node`` (a wrapper); once per node. ``md`` is
+    its ``metadata``, if the caller has it."""
+    if md is None:
+        md = node.metadata
     if GUARDED not in md:
         md[GUARDED] = True
         node.register_prehook(_zero_or_raise)
