@@ -4,7 +4,8 @@
 output recorder notes each output with a ``grad_fn`` as one :class:`Output` (a weak
 reference with the code object and instruction of the user's frame that made it):
 one object per output, no callback, nothing else. Dead references are dropped in
-batches, when the list has doubled and at each prune.
+batches: when the outermost tape closes, if the list has doubled since the last
+time (amortized O(1) per output); when it outgrows its limit; and at each prune.
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ from ._marks import FINISHED
 
 __all__ = [
     "Output", "note", "note_one", "live", "live_graphs", "live_roots", "output_of", "describe",
-    "name_in_frames",
+    "name_in_frames", "settle",
 ]
 
 _TORCH_DIR = os.path.dirname(torch.__file__)
@@ -140,8 +141,21 @@ def _compact() -> None:
     try:
         n = len(_outputs)
         _outputs[:n] = [r for r in _outputs[:n] if r() is not None]
+        _kept[0] = len(_outputs)
     finally:
         _compacting.release()
+
+
+_kept = [0]  # the list's length after the last compaction
+
+
+def settle() -> None:
+    """A tape closed: drop the dead references if the list has doubled since the last
+    compaction (so amortized O(1) per output, however many are held). The records of a
+    forward's intermediates, dead once it returns, then do not stay: memory, and
+    objects for every full collection to walk (DESIGN.md fact 14)."""
+    if len(_outputs) > 2 * _kept[0] + 1024:
+        _compact()
 
 
 def live() -> list[torch.Tensor]:

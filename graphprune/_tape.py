@@ -335,6 +335,8 @@ class Tape:
             self.end_seq = torch._C._autograd._get_sequence_nr()
             if tapes:
                 tapes[-1]._inner.append(range(self.first_seq, self.end_seq))
+            else:
+                _outputs.settle()
 
     def owns(self, node, handles, kind: str) -> bool:
         """Whether this tape's forward built ``node``, which saved ``handles`` (of ``kind``)."""

@@ -145,3 +145,20 @@ def test_walked_nodes_die_with_their_graph():
         y.backward()
         del y, node
     assert len(sentinels) == 150 and all(r() is None for r in sentinels), "a walked node outlived its graph"
+
+
+def test_a_closed_tape_keeps_no_record_of_the_intermediates_that_died():
+    # A forward's intermediates die as it goes (the graph holds detached copies); their
+    # records (one weak reference each) are dropped when the tape closes, not left for
+    # every full collection to walk until the list outgrows its limit.
+    from graphprune import _outputs
+
+    w = torch.ones(4, requires_grad=True)
+    with gp.track():
+        h = w
+        for _ in range(5000):
+            h = h.sin()
+    assert sum(r() is None for r in _outputs._outputs) == 0
+    assert _outputs.output_of(h) is not None  # the live output is still known
+    gp.prune_after(h.sum())  # and still protects nothing it should not: a plain prune
+    del h

@@ -12,7 +12,7 @@ from torch import nn
 from torch.nn.modules import module as nn_module
 
 import graphprune as gp
-from graphprune import _saved
+from graphprune import _outputs, _saved
 
 F32 = 4
 
@@ -100,11 +100,13 @@ def _new_objects_per_op(tape_kwargs: dict, in_module: bool) -> dict:
         gc.collect()
         gc.disable()
         try:
+            _outputs._compact()
             before = {id(o) for o in gc.get_objects()}
             with gp.track(**tape_kwargs):
                 h = w
                 for _ in range(n):
                     h = step(h).sin() if in_module else h.sin()
+            _outputs._compact()  # the records of dead intermediates go, whether the close dropped them or not
             new = [type(o).__name__ for o in gc.get_objects() if id(o) not in before]
         finally:
             gc.enable()
