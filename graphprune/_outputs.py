@@ -109,7 +109,7 @@ def note_one(t: torch.Tensor, frame=None) -> None:
         ref.code, ref.lasti = code, frame.f_lasti
     _outputs.append(ref)  # _append, inlined
     if len(_outputs) > _limit[0]:
-        _compact_more()
+        _compact()
 
 
 def _inside_library(code) -> bool:
@@ -125,23 +125,19 @@ def _inside_library(code) -> bool:
 def _append(ref: Output) -> None:
     _outputs.append(ref)
     if len(_outputs) > _limit[0]:
-        _compact_more()
-
-
-def _compact_more() -> None:
-    """The list outgrew its limit: drop the dead references, and let it double."""
-    _compact()
-    _limit[0] = max(1 << 16, 2 * len(_outputs))
+        _compact()
 
 
 def _compact() -> None:
-    """Drop dead references; appends from other threads during it are kept."""
+    """Drop dead references; appends from other threads during it are kept. The list
+    may then double before an append compacts it again."""
     if not _compacting.acquire(blocking=False):
         return
     try:
         n = len(_outputs)
         _outputs[:n] = [r for r in _outputs[:n] if r() is not None]
         _kept[0] = len(_outputs)
+        _limit[0] = max(1 << 16, 2 * _kept[0])
     finally:
         _compacting.release()
 
