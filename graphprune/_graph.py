@@ -51,7 +51,7 @@ if TYPE_CHECKING:
 
 __all__ = [
     "LOCK", "TRACKED", "FOREIGN", "UNTRACKED", "NOTHING_SAVED", "children", "saved", "saved_attributes",
-    "saves_nothing", "is_accumulator",
+    "saves_nothing", "saves_one", "is_accumulator",
     "live_handles", "reach", "walk",
     "name", "attach_hidden",
 ]
@@ -60,6 +60,7 @@ _CHILDREN = "graphprune"
 _saved_names: dict[type, tuple[str, ...]] = {}
 NOTHING_SAVED: tuple = ()  # saved() of a node type that saves nothing: no list made
 saves_nothing: set[type] = set()  # the node types saved_attributes found no _raw_saved_* on
+saves_one: dict[type, str] = {}  # the node types that save one tensor: where
 _first = operator.itemgetter(0)
 _SavedTensor = torch._C._autograd.SavedTensor
 LOCK = threading.RLock()  # two threads may walk the same nodes
@@ -84,7 +85,9 @@ def children(node) -> tuple:
 name = node_name
 
 
-def reach(roots, through_released: bool = True, supports: dict | None = None) -> dict[Node, int]:
+def reach(
+    roots, through_released: bool = True, supports: dict | None = None, stops: list | None = None
+) -> dict[Node, int]:
     """Every node reachable from ``roots`` (wrappers; ``None`` skipped), breadth-first,
     each with the index of the first root that reached it.
 
@@ -96,7 +99,8 @@ def reach(roots, through_released: bool = True, supports: dict | None = None) ->
 
     With ``through_released=False`` the walk stops at nodes that lost saved tensors:
     a pass that reaches one with a non-zero gradient raises, so nothing behind it
-    can be used that way (a zero-gradient pass needs nothing kept).
+    can be used that way (a zero-gradient pass needs nothing kept). ``stops``, given,
+    gets each node it stopped at, once per edge that reached it.
 
     A walk of fewer than ``DEEP`` nodes leaves nothing on the nodes: no chain it
     wrapped can be longer than the walk. A longer walk leaves every node's children
@@ -114,11 +118,16 @@ def reach(roots, through_released: bool = True, supports: dict | None = None) ->
     never_released = saves_nothing
     with LOCK:
         for i, node in enumerate(roots):
-            if node is not None and node not in out and (through_released or RELEASED not in node.metadata):
-                out[node] = i
-                add(node)
-                if node not in sup and _is_router(node):
-                    sup[node] = _routing.every_output(node)
+            if node is None or node in out:
+                continue
+            if not through_released and RELEASED in node.metadata:
+                if stops is not None:
+                    stops.append(node)
+                continue
+            out[node] = i
+            add(node)
+            if node not in sup and _is_router(node):
+                sup[node] = _routing.every_output(node)
         for node in queue:
             label = out[node]
             rule = rule_of(type(node), unknown)
@@ -133,7 +142,7 @@ def reach(roots, through_released: bool = True, supports: dict | None = None) ->
                     if child not in out:
                         # a node type that saves nothing is never released: no metadata dict made
                         if through_released or type(child) in never_released or RELEASED not in (
-                                child.metadata):
+                                child.metadata) or _stop(stops, child):
                             out[child] = label
                             add(child)
                             child_rule = rule_of(type(child), unknown)
@@ -146,7 +155,7 @@ def reach(roots, through_released: bool = True, supports: dict | None = None) ->
             else:
                 for child, nr, support in rule(node, sup[node]):
                     if child not in out:
-                        if through_released or RELEASED not in child.metadata:
+                        if through_released or RELEASED not in child.metadata or _stop(stops, child):
                             out[child] = label
                             add(child)
                             if _is_router(child):
@@ -158,6 +167,13 @@ def reach(roots, through_released: bool = True, supports: dict | None = None) ->
                 for walked in out:
                     children(walked)
     return out
+
+
+def _stop(stops: list | None, node) -> bool:
+    """Note where a walk stopped (``False``: it does not go on)."""
+    if stops is not None:
+        stops.append(node)
+    return False
 
 
 def _is_router(node) -> bool:
@@ -251,6 +267,8 @@ def saved_attributes(node_type: type) -> tuple[str, ...]:
         _saved_names[node_type] = names
         if not names:
             saves_nothing.add(node_type)
+        elif len(names) == 1 and names[0] is not STRAYS:
+            saves_one[node_type] = names[0]
     return names
 
 

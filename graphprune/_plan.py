@@ -15,14 +15,17 @@ from ._checkpoint import inputs_of
 from ._collector import walks
 from ._graph import (
     FOREIGN,
+    NOTHING_SAVED,
     TRACKED,
     UNTRACKED,
     _is_router,
+    _SavedTensor,
     is_accumulator,
     name,
     reach,
     saved,
     saves_nothing,
+    saves_one,
 )
 from ._marks import FINISHED, RELEASED
 from ._report import (
@@ -31,7 +34,7 @@ from ._report import (
     exclusive_bytes,
     format_bytes,
     held_elsewhere,
-    spans_of,
+    storages,
     unique_bytes,
 )
 from ._routing import ALL, NOTHING, complement, index_text, merge, widen
@@ -127,7 +130,9 @@ class Plan:
         self.reach = reach([fn for fn, _ in tops], supports=y_supports)
         self._routers = y_supports  # the routing nodes the walk met, for arm()
         self._zero_keys: list = []
-        self.finished, pending = _split_live(ys, self.reach, y_supports)
+        live = _outputs.live_graphs(ys)
+        self._entries = [fn for fn, _ in tops] + [fn for fn, _ in live]  # where later passes may start
+        self.finished, pending = _split_live(ys, live, self.reach, y_supports)
         self._candidates = _candidates(self.finished, pending)
         what = [_outputs.describe(t) for t in ys] + [f"the gradient into {name(e.node)}" for e in edges]
         self.reason = Release(f"{call}({', '.join(what)})", self._candidates)
@@ -144,8 +149,10 @@ class Plan:
         protect += [(fn, text) for fn, _, text in guards]
         starts += [(fn, nr, ALL) for fn, nr, _ in guards if nr is not None]
         order = sorted(range(len(protect)), key=lambda i: protect[i][0] not in self.reach)  # nearest first
+        self._stops: list = []  # released nodes (of earlier calls) right below the protected graph
         self.protected = reach(
-            (protect[i][0] for i in order), through_released=False, supports=_supports(starts)
+            (protect[i][0] for i in order), through_released=False, supports=_supports(starts),
+            stops=self._stops,
         )
         self._guard_text = [protect[i][1] for i in order]
         self.roots = [fn for fn, _ in tops if fn not in self.protected]
@@ -160,22 +167,34 @@ class Plan:
         kinds = self._kinds = set()
         protected = self.protected
         reasons: dict[int, str] = {}
+        one_of = saves_one.get
         for node in self.reach:
-            if type(node) in saves_nothing:  # most nodes: nothing to measure, only counted if kept
+            node_type = type(node)
+            if node_type in saves_nothing:  # most nodes: nothing to measure, only counted if kept
                 if node in protected:
                     guard = protected[node]
                     reason = reasons.get(guard) or reasons.setdefault(guard, self._guard_reason(guard))
                     kept_nodes[reason].append(node)
                 continue
-            handles, kind = saved(node)
-            if not handles:
-                live = handles
-            elif len(handles) == 1:  # the common case, without the list
-                live = handles if handles[0].tensor is not None else []
+            attr, p = one_of(node_type), None
+            if attr is not None:  # saved()'s common case, inline: one tensor, in a handle
+                try:
+                    value = getattr(node, attr)
+                    if type(value) is _SavedTensor:
+                        p = value.data
+                except RuntimeError:  # freed by a pass that did not retain the graph
+                    pass
+            if type(p) is SavedHandle:
+                live, kind = [p] if p.tensor is not None else NOTHING_SAVED, TRACKED
+                kinds.add(TRACKED)
             else:
-                live = [h for h in handles if h.tensor is not None]
-            if handles or kind is not TRACKED:  # a node that saved nothing says nothing of where it was built
-                kinds.add(kind)
+                handles, kind = saved(node)
+                if len(handles) == 1:
+                    live = handles if handles[0].tensor is not None else NOTHING_SAVED
+                else:
+                    live = [h for h in handles if h.tensor is not None]
+                if handles or kind is not TRACKED:  # a node that saved nothing: not where it was built
+                    kinds.add(kind)
             if kind is FOREIGN:
                 reason = _FOREIGN_REASON
             elif kind is UNTRACKED:
@@ -199,21 +218,22 @@ class Plan:
                 kept_nodes[reason] = kept_nodes.pop(_FOREIGN_REASON)
         owned = _graph_owned(kept_by.values())
         handles = [h for live in by_node.values() for h in live]
-        trunk = []
-        held_by: dict[str, list] = {}
-        for reason in kept_nodes:  # every reason, in the order the walk met it
-            held_by[reason] = [h for live in kept_by.get(reason, ()) for h in live
-                               if not h.leaf or id(h.tensor) in owned]
-            trunk += held_by[reason]
-        spans = self._spans = spans_of(trunk)
-        spans.update(spans_of(handles))
-        self._trunk, self._branch = trunk, handles
+        trunk: dict[int, list] = {}  # the kept handles by storage
         kept = []
-        for reason, held in held_by.items():
+        for reason, nodes in kept_nodes.items():  # every reason, in the order the walk met it
+            held = storages(h for live in kept_by.get(reason, ()) for h in live
+                            if not h.leaf or id(h.tensor) in owned)
+            for key, entry in held.items():
+                merged = trunk.get(key)
+                if merged is None:
+                    trunk[key] = entry
+                else:
+                    trunk[key] = [max(merged[0], entry[0]), *merged[1:], *entry[1:]]
             unknown = reason in (_FOREIGN_REASON, _UNTRACKED_REASON)  # not graphprune's handles
-            nbytes = None if unknown else unique_bytes(held, spans)
-            ids = frozenset(map(id, kept_nodes[reason]))
-            kept.append(KeptReason(reason, len(kept_nodes[reason]), nbytes, ids))
+            nbytes = None if unknown else sum(entry[0] for entry in held.values())
+            kept.append(KeptReason(reason, len(nodes), nbytes, frozenset(map(id, nodes))))
+        branch = storages(handles)
+        self._trunk, self._branch = trunk, branch
         names = collections.Counter()
         for node in by_node:  # a name per node type: name() is a call into C++ and a string split
             kind = type(node)
@@ -222,15 +242,23 @@ class Plan:
         return by_node, dict(
             released_nodes=dict(names),
             released_tensors=len(handles),
-            bytes_freed=exclusive_bytes(handles, spans),
-            bytes_kept=unique_bytes(trunk, spans),
+            bytes_freed=exclusive_bytes(branch),
+            bytes_kept=sum(entry[0] for entry in trunk.values()),
             kept=tuple(kept),
             released_ids=frozenset(map(id, by_node)),
         )
 
     def _graph_bytes(self) -> int:
-        """Bytes the pruned graph held before the call: the kept part's and the branch's."""
-        return unique_bytes(self._trunk + [h for h in self._branch if not h.leaf], self._spans)
+        """Bytes the pruned graph held before the call: the kept part's and the branch's
+        (parameters and inputs aside)."""
+        total = {key: entry[0] for key, entry in self._trunk.items()}
+        for key, entry in self._branch.items():
+            graph = [h for h in entry[1:] if not h.leaf]
+            if not graph:
+                continue
+            nbytes = entry[0] if len(graph) == len(entry) - 1 else storages(graph)[key][0]
+            total[key] = max(nbytes, total.get(key, 0))
+        return sum(total.values())
 
     @walks
     def warn(self, call: str) -> None:
@@ -334,13 +362,38 @@ class Plan:
         forget(self._zero_keys)
         self._zero_keys.clear()
 
-    @staticmethod
-    def _mark_released(nodes, reason: str) -> None:
-        """Let zero-gradient passes through these nodes; stop protection walks there."""
+    def _mark_released(self, nodes: dict, reason: str) -> None:
+        """Stop protection walks at these nodes; let zero-gradient passes through them:
+        a guard on each that a pass can reach first (NOTE [ Guards at the frontier ] in
+        ``_zero.py``), and on the released nodes of earlier calls right below what
+        stays protected."""
         for node in nodes:
-            md = node.metadata
-            md[RELEASED] = reason
-            guard_released(node, md)
+            node.metadata[RELEASED] = reason
+        for node in self._frontier(nodes):
+            guard_released(node)
+        for node in self._stops:
+            guard_released(node)
+
+    def _frontier(self, released: dict) -> list:
+        """The nodes of ``released`` a later pass can reach from a node not in it: the
+        walk's roots and the live tensors' nodes among them, and those right below a
+        node of the walk that is not released and may lead into them (saves nothing,
+        lost or never had its tensors, a routing node), or below a live tensor's node.
+        A node all of whose parents are released is guarded by them as a pass runs."""
+        protected, routers = self.protected, self._routers
+        out = {node: None for node in self._entries if node in released}
+        for node in self.reach:
+            if node in released or (node in protected and node not in routers):
+                continue  # a protected node leads only into protected ones, but along routing
+            for child, _ in node.next_functions:
+                if child in released:
+                    out[child] = None
+        for node in self._entries:
+            if node not in self.reach:
+                for child, _ in node.next_functions:
+                    if child in released:
+                        out[child] = None
+        return list(out)
 
     @walks
     def release(self, ran_only: bool = False) -> None:
@@ -376,7 +429,7 @@ class Plan:
         """The pass raised: keep what it had not used, and say where the rest went."""
         self._disarm()
         reason = Release(f"{self.reason}, whose pass raised before it finished", self._candidates)
-        ran = [node for node, live in self.handles_by_node.items() if any(h.released for h in live)]
+        ran = {node: None for node, live in self.handles_by_node.items() if any(h.released for h in live)}
         for node in ran:
             for h in self.handles_by_node[node]:
                 if h.released:
@@ -420,13 +473,12 @@ def _size_along(t: torch.Tensor, support) -> int:
     return t.shape[support[0]] if support else 0
 
 
-def _split_live(ys, reached: dict, supports: dict) -> tuple[list, list]:
-    """The live tracked tensors (``ys`` aside) as ``(grad_fn, output number, support,
-    tensor)``: those the walk from ``ys`` ran through, with the support it took
-    (finished there), and those it did not or not wholly, with what is left of
-    them (pending)."""
+def _split_live(ys, live: list, reached: dict, supports: dict) -> tuple[list, list]:
+    """The live tracked tensors (``live``: ``_outputs.live_graphs(ys)``) as
+    ``(grad_fn, output number, support, tensor)``: those the walk from ``ys`` ran
+    through, with the support it took (finished there), and those it did not or not
+    wholly, with what is left of them (pending)."""
     finished, pending = [], []
-    live = _outputs.live_graphs(ys)
     done_whole = {id(t) for t in ys}
     for fn, t in live:
         done = fn.metadata.get(FINISHED)

@@ -14,64 +14,62 @@ from ._outputs import live_roots
 from ._saved import SavedHandle, storage_of
 
 __all__ = [
-    "PruneReport", "KeptReason", "unique_bytes", "spans_of", "exclusive_bytes", "held_elsewhere",
+    "PruneReport", "KeptReason", "storages", "unique_bytes", "exclusive_bytes", "held_elsewhere",
     "format_bytes", "snapshot",
 ]
 
 
-def unique_bytes(handles: list[SavedHandle], spans: dict | None = None) -> int:
-    """Bytes of the distinct storages behind ``handles`` (live ones); ``spans`` maps
-    each handle to its ``storage_of`` (:func:`spans_of`), computed here if ``None``."""
-    if spans is None:
-        spans = spans_of(handles)
-    largest: dict[int, int] = {}
-    for h in handles:
-        key, nbytes = spans[h]
-        if nbytes > largest.get(key, -1):
-            largest[key] = nbytes
-    return sum(largest.values())
-
-
-def spans_of(handles) -> dict:
-    """``{handle: storage_of(handle)}`` of live handles; the storage of several views
-    (``q``, ``k``, ``v`` of one projection, a weight and its transpose) is asked its
-    size once."""
-    out = {}
+def storages(handles, out: dict | None = None) -> dict[int, list]:
+    """``{key: [bytes, handle, ...]}``: the live ``handles`` grouped by the storage
+    behind them (``storage_of``'s key), with the most bytes one of them spans; added to
+    ``out`` if given. The storage of several views (``q``, ``k``, ``v`` of one
+    projection, a weight and its transpose) is asked its size once."""
+    out = {} if out is None else out
     address = torch._C._storage_address
-    storage_bytes: dict[int, int] = {}
+    view_bytes: dict[int, int] = {}
     for h in handles:
         t = h.tensor
         try:  # storage_of's common cases, without the call
             if h.view:
                 key = address(t)
-                nbytes = storage_bytes.get(key)
+                nbytes = view_bytes.get(key)
                 if nbytes is None:
-                    nbytes = storage_bytes[key] = t.untyped_storage().nbytes()
-                out[h] = key, nbytes
-                continue
-            if t.is_contiguous():
-                out[h] = address(t), t.storage_offset() * t.element_size() + t.nbytes
-                continue
+                    nbytes = view_bytes[key] = t.untyped_storage().nbytes()
+            elif t.is_contiguous():
+                key, nbytes = address(t), t.storage_offset() * t.element_size() + t.nbytes
+            else:
+                key, nbytes = storage_of(h)
         except (RuntimeError, NotImplementedError):
-            pass
-        out[h] = storage_of(h)
+            key, nbytes = storage_of(h)
+        entry = out.get(key)
+        if entry is None:
+            out[key] = [nbytes, h]
+        else:
+            if nbytes > entry[0]:
+                entry[0] = nbytes
+            entry.append(h)
     return out
 
 
-def exclusive_bytes(handles: list[SavedHandle], spans: dict | None = None) -> int:
-    """Bytes that dropping ``handles`` (live ones) gives back: storages nothing else uses."""
-    if spans is None:
-        spans = spans_of(handles)
-    by_storage: dict[int, list] = {}
-    for h in handles:
-        key, nbytes = spans[h]
-        entry = by_storage.get(key)
-        if entry is None:
-            by_storage[key] = [nbytes, h]
-        else:
-            entry[0] = max(nbytes, entry[0])
-            entry.append(h)
-    return sum(entry[0] for key, entry in by_storage.items() if not held_elsewhere(entry[1:], key))
+def unique_bytes(handles: list[SavedHandle]) -> int:
+    """Bytes of the distinct storages behind ``handles`` (live ones)."""
+    return sum(entry[0] for entry in storages(handles).values())
+
+
+def exclusive_bytes(by_storage: dict[int, list]) -> int:
+    """Bytes that dropping the handles of ``by_storage`` (:func:`storages`) gives
+    back: the storages nothing else uses."""
+    total = 0
+    refcount, uses = sys.getrefcount, torch._C._storage_Use_Count
+    for key, entry in by_storage.items():
+        if len(entry) == 2:  # held_elsewhere's common case, without the call and the list
+            h = entry[1]
+            if refcount(h.tensor) > 2 or (key >= 0 and uses(key) - 1 - h.view > 0):  # 2: the
+                continue  # handle, getrefcount's argument; a negative key: no storage address
+            total += entry[0]
+        elif not held_elsewhere(entry[1:], key):
+            total += entry[0]
+    return total
 
 
 def held_elsewhere(group: list[SavedHandle], address: int | None = None) -> bool:

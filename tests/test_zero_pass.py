@@ -103,3 +103,95 @@ def test_deferred_check_raises_at_the_end_of_the_pass_naming_the_node(deferred):
     w, losses = _stacked_heads_one_released()
     with pytest.raises(gp.ReleasedTensorError, match=r"non-zero gradient into SinBackward0.*end of the pass"):
         losses.sum().backward(retain_graph=True)
+
+
+def _deep_head(t):
+    """A head of saving nodes one after another, each NaN on a zero placeholder."""
+    return (((t * 0.3).acos() / (3.0 - t)).log().sin() / t).sum()
+
+
+def _guarded(nodes):
+    from graphprune._marks import GUARDED
+
+    return {n for n in nodes if GUARDED in n.metadata}
+
+
+def test_a_prune_guards_only_the_released_nodes_a_pass_enters_by():
+    w = torch.linspace(0.1, 0.9, 4).requires_grad_()
+    with gp.track():
+        x, per_head, losses = _stacked(w, [_deep_head, lambda t: (t * t).sum()])
+    losses[0].backward(retain_graph=True)
+    gp.prune_after(per_head[0], keep=[x, per_head[1]])
+    released = [n for n in gp._graph.walk([per_head[0].grad_fn]) if gp._marks.RELEASED in n.metadata]
+    assert len(released) >= 5
+    assert len(_guarded(released)) == 1  # the head's top saving node; the others wait for it
+
+
+def test_a_zero_pass_guards_the_released_nodes_below_as_it_runs_and_matches_plain():
+    w0 = torch.linspace(0.1, 0.9, 4)
+    heads = [_deep_head, lambda t: (t * t).sum(), lambda t: t.tanh().sum()]
+    w = w0.clone().requires_grad_()
+    _, _, losses = _stacked(w, heads)
+    expected = [torch.autograd.grad(losses[i], w, retain_graph=True)[0] for i in (1, 2)]
+    w = w0.clone().requires_grad_()
+    with gp.track():
+        x, per_head, losses = _stacked(w, heads)
+    losses[0].backward(retain_graph=True)
+    gp.prune_after(per_head[0], keep=[x, *per_head[1:]])
+    for i, want in zip((1, 2), expected):  # head 0 gets zeros, twice: placeholders, zeroed outputs
+        (got,) = torch.autograd.grad(losses[i], w, retain_graph=True)
+        assert_close(got, want)
+    released = [n for n in gp._graph.walk([per_head[0].grad_fn]) if gp._marks.RELEASED in n.metadata]
+    assert _guarded(released) == set(released)
+    with pytest.raises(gp.ReleasedTensorError):
+        losses.sum().backward()
+
+
+def test_a_zero_pass_guards_released_nodes_of_a_later_prune_below_an_earlier_ones_region():
+    # head 0 reaches the trunk through a view (a node that saves nothing, outside head
+    # 1's graph); the last prune releases the trunk, whose only other parent is head 1
+    w = torch.linspace(0.1, 0.9, 4).requires_grad_()
+    with gp.track():
+        x = w.exp().sin()
+        l0 = _deep_head(x.view(2, 2))
+        l1 = (x * x).sum()
+    del x
+    l0.backward(retain_graph=True)
+    gp.prune_after(l0, keep=l1)
+    l1.backward(retain_graph=True)
+    gp.prune_after(l1, keep=[])
+    w.grad = None
+    (l0 * 0.0).backward()  # zeros through head 0, its view, then the trunk
+    assert_close(w.grad, torch.zeros(4))
+
+
+def test_a_prune_guards_the_released_nodes_that_what_it_keeps_leads_into():
+    w = torch.linspace(0.1, 0.9, 4).requires_grad_()
+    with gp.track():
+        x = w.exp()
+        h = x.sin()
+        l0 = h.cos().sum()
+        l2 = h.sum() * 0.0  # enters head 0 below its top, outside its graph
+    del h
+    l0.backward(retain_graph=True)
+    gp.prune_after(l0, keep=x)  # l2 is not kept: the sin below l0's top is released, unguarded
+    gp.prune_after(l0, keep=l2)  # l2's graph leads into it: guarded now
+    w.grad = None
+    l2.backward()
+    assert_close(w.grad, torch.zeros(4))
+
+
+def test_a_pass_entering_a_released_region_below_its_frontier_from_an_unwalked_graph_raises():
+    # NOTE [ Guards at the frontier ]: no prune walked l2's graph, so nothing guards the
+    # node it enters by; even zeros raise there (never a wrong gradient)
+    w = torch.linspace(0.1, 0.9, 4).requires_grad_()
+    with gp.track():
+        x = w.exp()
+        h = x.sin()
+        l0 = h.cos().sum()
+        l2 = h.sum() * 0.0
+    del h
+    l0.backward(retain_graph=True)
+    gp.prune_after(l0, keep=x)
+    with pytest.raises(gp.ReleasedTensorError, match="SinBackward0"):
+        l2.backward()
