@@ -371,6 +371,11 @@ def _scaling_rows(scaling) -> list[dict]:
             out.append(_row(f"`{name}(y, keep=x)`, chain of {s['nodes']} nodes", "—",
                             f"{s[key] * 1e3:.1f} ms", f"{us:.2f} µs/node", f"≤ {target:g} µs/node",
                             us <= target, f"scaling/chain ({s['nodes']} nodes)", name))
+        if "floor_s" in s:  # the machine's floor: one walk reading each node's saved objects
+            us = s["floor_s"] / s["nodes"] * 1e6
+            out.append(_row(f"the floor on this machine (no target): one walk reading each node's saved "
+                            f"objects, chain of {s['nodes']} nodes", "—", f"{s['floor_s'] * 1e3:.1f} ms",
+                            f"{us:.2f} µs/node", "—", None, f"scaling/chain ({s['nodes']} nodes)", "floor"))
     return out
 
 

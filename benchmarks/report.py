@@ -426,18 +426,22 @@ def _scaling_table(scaling):
              "arithmetic, dominates: the worst case for graphprune's relative cost. `explain` runs "
              "after the retained backward, then `prune_after(y, keep=x)`. Each row is the median of "
              "the runs after a warm-up one (a fresh graph each; 1k nodes: 7, 10k: 5, 100k: 1 at full "
-             "size), every column on its own.")
+             "size), every column on its own. The floor walk (`benchmarks.scaling.floor_walk`, after the "
+             "prune, so on wrappers already made): a queue over `next_functions` that reads each node's "
+             "`_raw_saved_*` objects and nothing else, the least a prune that reads the graph when asked "
+             "pays on this machine.")
     L.append("")
     L.append("| graph | nodes | forward ms (plain / tracked) | backward ms | explain ms (µs/node) | "
-             "prune_after ms (µs/node) | prune / backward |")
-    L.append("|---|---|---|---|---|---|---|")
+             "prune_after ms (µs/node) | prune / backward | floor walk ms (µs/node) |")
+    L.append("|---|---|---|---|---|---|---|---|")
     for r in scaling:
         n = r["nodes"]
+        floor = f"{r['floor_s'] * 1e3:.1f} ({r['floor_s'] / n * 1e6:.2f})" if "floor_s" in r else "—"
         L.append(f"| {r['shape']} | {n} | {r['fwd_plain_s'] * 1e3:.1f} / {r['fwd_tracked_s'] * 1e3:.1f} | "
                  f"{r['backward_s'] * 1e3:.1f} | "
                  f"{r['explain_s'] * 1e3:.1f} ({r['explain_s'] / n * 1e6:.2f}) | "
                  f"{r['prune_s'] * 1e3:.1f} ({r['prune_s'] / n * 1e6:.2f}) | "
-                 f"{r['prune_s'] / r['backward_s'] * 100:.0f}% |")
+                 f"{r['prune_s'] / r['backward_s'] * 100:.0f}% | {floor} |")
     L.append("")
     by = collections.defaultdict(list)
     for r in scaling:

@@ -10,7 +10,9 @@ arithmetic, dominates (the worst case for graphprune's relative cost):
   output of the middle layer, ``y`` the sum of the last layer's output.
 
 For each: the tracked forward vs an untracked one, ``y.backward(retain_graph=True)``,
-``explain(y, keep=x)``, then ``prune_after(y, keep=x)``; microseconds per node.
+``explain(y, keep=x)``, then ``prune_after(y, keep=x)``; microseconds per node. Beside
+them, on the same graph, the machine's floor (:func:`floor_walk`): a walk that reads
+each node's saved objects and does nothing else.
 """
 
 from __future__ import annotations
@@ -60,6 +62,40 @@ class _Stack:
             if i == n_layers // 2 - 1:
                 x = h
         return (x if x is not None else w), h.sum()
+
+
+def floor_walk(root) -> int:
+    """The least a prune that reads the graph when asked does per node, on this machine:
+    visit each node once (a queue over ``next_functions``) and read what it saved
+    without unpacking it (``_raw_saved_*``'s ``.data``), nothing else. Returns the
+    number of nodes visited.
+
+    Example::
+
+        >>> import torch
+        >>> w = torch.ones(3, requires_grad=True)
+        >>> floor_walk(w.sin().cos().sum().grad_fn)  # sum, cos, sin, w's AccumulateGrad
+        4
+    """
+    attrs: dict[type, list[str]] = {}
+    saved_tensor = torch._C._autograd.SavedTensor
+    seen, queue = {root}, [root]
+    read = []
+    for node in queue:
+        names = attrs.get(type(node))
+        if names is None:
+            names = attrs[type(node)] = [a for a in dir(type(node)) if a.startswith("_raw_saved_")]
+        for name in names:
+            value = getattr(node, name)
+            if type(value) is saved_tensor:
+                read.append(value.data)
+            else:
+                read += [v.data for v in value]
+        for child, _ in node.next_functions:
+            if child is not None and child not in seen:
+                seen.add(child)
+                queue.append(child)
+    return len(queue)
 
 
 def jobs(level: str, threads: int, shapes=SHAPES) -> list[dict]:
@@ -126,6 +162,9 @@ def run_scaling(job: dict) -> dict:
         t0 = time.perf_counter()
         report = gp.prune_after(y, keep=x)
         t_prune = time.perf_counter() - t0
+        t0 = time.perf_counter()
+        floor_walk(y.grad_fn)  # after the prune: the wrappers made, a lower bound
+        t_floor = time.perf_counter() - t0
         row = dict(
             nodes=nodes,
             fwd_plain_s=t_plain_fwd,
@@ -133,6 +172,7 @@ def run_scaling(job: dict) -> dict:
             backward_s=t_bwd,
             explain_s=t_explain,
             prune_s=t_prune,
+            floor_s=t_floor,
             released=report.released_tensors,
             explain_released=rep_explain.released_tensors,
         )
