@@ -133,7 +133,7 @@ def reach(
             rule = rule_of(type(node), unknown)
             if rule is unknown:
                 rule = rule_for(type(node))
-            if deep:
+            if deep and _CHILDREN not in node.metadata:
                 children(node)
             if rule is None:
                 for child, _ in node.next_functions:  # no cache read: the edges never change

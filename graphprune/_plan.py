@@ -160,7 +160,6 @@ class Plan:
 
     def _measure(self) -> tuple[dict, dict]:
         """The branch's live handles by node, and the report's numbers, in one pass."""
-        released: collections.Counter = collections.Counter()  # by node type
         by_node: dict = {}
         kept_by: dict[str, list[list[SavedHandle]]] = collections.defaultdict(list)  # the live ones
         kept_nodes: dict[str, list] = collections.defaultdict(list)
@@ -168,6 +167,7 @@ class Plan:
         protected = self.protected
         reasons: dict[int, str] = {}
         one_of = saves_one.get
+        tracked = False  # a node saved one of graphprune's handles, seen without kinds.add
         for node in self.reach:
             node_type = type(node)
             if node_type in saves_nothing:  # most nodes: nothing to measure, only counted if kept
@@ -186,7 +186,7 @@ class Plan:
                     pass
             if type(p) is SavedHandle:
                 live, kind = [p] if p.tensor is not None else NOTHING_SAVED, TRACKED
-                kinds.add(TRACKED)
+                tracked = True
             else:
                 handles, kind = saved(node)
                 if len(handles) == 1:
@@ -204,7 +204,6 @@ class Plan:
                 reason = reasons.get(guard) or reasons.setdefault(guard, self._guard_reason(guard))
             else:
                 if live:
-                    released[type(node)] += 1
                     by_node[node] = live
                 continue
             if live:
@@ -234,8 +233,13 @@ class Plan:
             kept.append(KeptReason(reason, len(nodes), nbytes, frozenset(map(id, nodes))))
         branch = storages(handles)
         self._trunk, self._branch = trunk, branch
+        if tracked:
+            kinds.add(TRACKED)
+        released = collections.Counter(map(type, by_node))
         names = collections.Counter()
         for node in by_node:  # a name per node type: name() is a call into C++ and a string split
+            if not released:
+                break
             kind = type(node)
             if kind in released:
                 names[name(node)] += released.pop(kind)
