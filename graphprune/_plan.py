@@ -24,6 +24,7 @@ from ._graph import (
     name,
     reach,
     saved,
+    saved_attributes,
     saves_nothing,
     saves_one,
 )
@@ -382,8 +383,9 @@ class Plan:
         """The nodes of ``released`` a later pass can reach from a node not in it: the
         walk's roots and the live tensors' nodes among them, and those right below a
         node of the walk that is not released and may lead into them (saves nothing,
-        lost or never had its tensors, a routing node), or below a live tensor's node.
-        A node all of whose parents are released is guarded by them as a pass runs."""
+        lost or never had its tensors, a routing node), or below a live tensor's node
+        (through nodes that save nothing: ``logits.view(-1)`` held for a metric). A
+        node all of whose parents are released is guarded by them as a pass runs."""
         protected, routers = self.protected, self._routers
         out = {node: None for node in self._entries if node in released}
         for node in self.reach:
@@ -392,11 +394,17 @@ class Plan:
             for child, _ in node.next_functions:
                 if child in released:
                     out[child] = None
-        for node in self._entries:
-            if node not in self.reach:
-                for child, _ in node.next_functions:
-                    if child in released:
-                        out[child] = None
+        # a live tensor's node outside the walk: below it, through nodes that save nothing
+        stack = [node for node in self._entries if node not in self.reach]
+        seen = set(stack)
+        while stack:
+            for child, _ in stack.pop().next_functions:
+                if child in released:
+                    out[child] = None
+                elif child is not None and child not in seen and child not in self.reach and (
+                        not saved_attributes(type(child))):
+                    seen.add(child)
+                    stack.append(child)
         return list(out)
 
     @walks

@@ -93,7 +93,7 @@ def _guard_below(node) -> None:
     """Guard the released nodes right below ``node`` (running now, with zeros), and
     those below it through nodes that save nothing, before they run (NOTE [ Guards at
     the frontier ]): they wait for ``node``, so no thread is running them."""
-    from ._graph import saves_nothing  # _graph imports this module
+    from ._graph import saved_attributes  # _graph imports this module
 
     stack = [child for child, _ in node.next_functions if child is not None]
     seen = set()
@@ -102,7 +102,7 @@ def _guard_below(node) -> None:
         if child in seen:
             continue
         seen.add(child)
-        if type(child) in saves_nothing:
+        if not saved_attributes(type(child)):
             stack += [c for c, _ in child.next_functions if c is not None]
             continue
         md = child.metadata

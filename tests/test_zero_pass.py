@@ -171,7 +171,7 @@ def test_a_prune_guards_the_released_nodes_that_what_it_keeps_leads_into():
         x = w.exp()
         h = x.sin()
         l0 = h.cos().sum()
-        l2 = h.sum() * 0.0  # enters head 0 below its top, outside its graph
+    l2 = h.sum() * 0.0  # built outside track(): enters head 0 below its top, unseen
     del h
     l0.backward(retain_graph=True)
     gp.prune_after(l0, keep=x)  # l2 is not kept: the sin below l0's top is released, unguarded
@@ -182,16 +182,33 @@ def test_a_prune_guards_the_released_nodes_that_what_it_keeps_leads_into():
 
 
 def test_a_pass_entering_a_released_region_below_its_frontier_from_an_unwalked_graph_raises():
-    # NOTE [ Guards at the frontier ]: no prune walked l2's graph, so nothing guards the
-    # node it enters by; even zeros raise there (never a wrong gradient)
+    # NOTE [ Guards at the frontier ]: l2 was built outside track() and no prune walked
+    # its graph, so nothing guards the node it enters by; even zeros raise there
     w = torch.linspace(0.1, 0.9, 4).requires_grad_()
     with gp.track():
         x = w.exp()
         h = x.sin()
         l0 = h.cos().sum()
-        l2 = h.sum() * 0.0
+    l2 = h.sum() * 0.0
     del h
     l0.backward(retain_graph=True)
     gp.prune_after(l0, keep=x)
     with pytest.raises(gp.ReleasedTensorError, match="SinBackward0"):
         l2.backward()
+
+
+def test_a_zero_pass_from_a_live_tensor_made_from_a_dead_intermediate_of_the_branch_matches_plain():
+    # shifted (held for a metric) is made from h1, which died, by ops that save nothing:
+    # its graph enters the branch below the top, through nodes outside the walk
+    w = torch.linspace(0.1, 0.9, 4).requires_grad_()
+    with gp.track():
+        x = w.exp()
+        h1 = x.sin()
+        shifted = -(h1 + 1.0)
+        l0 = h1.cos().sum()
+    del h1
+    l0.backward(retain_graph=True)
+    gp.prune_after(l0, keep=x)
+    w.grad = None
+    (shifted * 0.0).sum().backward()
+    assert_close(w.grad, torch.zeros(4))
