@@ -165,25 +165,9 @@ def test_a_zero_pass_guards_released_nodes_of_a_later_prune_below_an_earlier_one
     assert_close(w.grad, torch.zeros(4))
 
 
-def test_a_prune_guards_the_released_nodes_that_what_it_keeps_leads_into():
-    w = torch.linspace(0.1, 0.9, 4).requires_grad_()
-    with gp.track():
-        x = w.exp()
-        h = x.sin()
-        l0 = h.cos().sum()
-    l2 = h.sum() * 0.0  # built outside track(): enters head 0 below its top, unseen
-    del h
-    l0.backward(retain_graph=True)
-    gp.prune_after(l0, keep=x)  # l2 is not kept: the sin below l0's top is released, unguarded
-    gp.prune_after(l0, keep=l2)  # l2's graph leads into it: guarded now
-    w.grad = None
-    l2.backward()
-    assert_close(w.grad, torch.zeros(4))
-
-
-def test_a_pass_entering_a_released_region_below_its_frontier_from_an_unwalked_graph_raises():
-    # NOTE [ Guards at the frontier ]: l2 was built outside track() and no prune walked
-    # its graph, so nothing guards the node it enters by; even zeros raise there
+def _pruned_with_an_unseen_entry():
+    """Head 0 (sin, cos) pruned with keep=x; l2, built outside track() from the sin's
+    output, enters it below its top by a graph no prune walked."""
     w = torch.linspace(0.1, 0.9, 4).requires_grad_()
     with gp.track():
         x = w.exp()
@@ -192,7 +176,22 @@ def test_a_pass_entering_a_released_region_below_its_frontier_from_an_unwalked_g
     l2 = h.sum() * 0.0
     del h
     l0.backward(retain_graph=True)
-    gp.prune_after(l0, keep=x)
+    gp.prune_after(l0, keep=x)  # the sin is released, and unguarded: its only seen parent is the cos
+    w.grad = None
+    return w, l0, l2
+
+
+def test_a_prune_guards_the_released_nodes_that_what_it_keeps_leads_into():
+    w, l0, l2 = _pruned_with_an_unseen_entry()
+    gp.prune_after(l0, keep=l2)  # l2's graph leads into the sin: guarded now
+    l2.backward()
+    assert_close(w.grad, torch.zeros(4))
+
+
+def test_a_pass_entering_a_released_region_below_its_frontier_from_an_unwalked_graph_raises():
+    # NOTE [ Guards at the frontier ]: nothing guards the node l2 enters by; even zeros
+    # raise there
+    _, _, l2 = _pruned_with_an_unseen_entry()
     with pytest.raises(gp.ReleasedTensorError, match="SinBackward0"):
         l2.backward()
 
