@@ -85,9 +85,7 @@ def children(node) -> tuple:
 name = node_name
 
 
-def reach(
-    roots, through_released: bool = True, supports: dict | None = None, stops: list | None = None
-) -> dict[Node, int]:
+def reach(roots, through_released: bool = True, supports: dict | None = None) -> dict[Node, int]:
     """Every node reachable from ``roots`` (wrappers; ``None`` skipped), breadth-first,
     each with the index of the first root that reached it.
 
@@ -99,8 +97,7 @@ def reach(
 
     With ``through_released=False`` the walk stops at nodes that lost saved tensors:
     a pass that reaches one with a non-zero gradient raises, so nothing behind it
-    can be used that way (a zero-gradient pass needs nothing kept). ``stops``, given,
-    gets each node it stopped at, once per edge that reached it.
+    can be used that way (a zero-gradient pass needs nothing kept).
 
     A walk of fewer than ``DEEP`` nodes leaves nothing on the nodes: no chain it
     wrapped can be longer than the walk. A longer walk leaves every node's children
@@ -118,16 +115,11 @@ def reach(
     never_released = saves_nothing
     with LOCK:
         for i, node in enumerate(roots):
-            if node is None or node in out:
-                continue
-            if not through_released and RELEASED in node.metadata:
-                if stops is not None:
-                    stops.append(node)
-                continue
-            out[node] = i
-            add(node)
-            if node not in sup and _is_router(node):
-                sup[node] = _routing.every_output(node)
+            if node is not None and node not in out and (through_released or RELEASED not in node.metadata):
+                out[node] = i
+                add(node)
+                if node not in sup and _is_router(node):
+                    sup[node] = _routing.every_output(node)
         for node in queue:
             label = out[node]
             rule = rule_of(type(node), unknown)
@@ -142,7 +134,7 @@ def reach(
                     if child not in out:
                         # a node type that saves nothing is never released: no metadata dict made
                         if through_released or type(child) in never_released or RELEASED not in (
-                                child.metadata) or _stop(stops, child):
+                                child.metadata):
                             out[child] = label
                             add(child)
                             child_rule = rule_of(type(child), unknown)
@@ -155,7 +147,7 @@ def reach(
             else:
                 for child, nr, support in rule(node, sup[node]):
                     if child not in out:
-                        if through_released or RELEASED not in child.metadata or _stop(stops, child):
+                        if through_released or RELEASED not in child.metadata:
                             out[child] = label
                             add(child)
                             if _is_router(child):
@@ -167,13 +159,6 @@ def reach(
                 for walked in out:
                     children(walked)
     return out
-
-
-def _stop(stops: list | None, node) -> bool:
-    """Note where a walk stopped (``False``: it does not go on)."""
-    if stops is not None:
-        stops.append(node)
-    return False
 
 
 def _is_router(node) -> bool:

@@ -24,7 +24,6 @@ from ._graph import (
     name,
     reach,
     saved,
-    saved_attributes,
     saves_nothing,
     saves_one,
 )
@@ -131,9 +130,7 @@ class Plan:
         self.reach = reach([fn for fn, _ in tops], supports=y_supports)
         self._routers = y_supports  # the routing nodes the walk met, for arm()
         self._zero_keys: list = []
-        live = _outputs.live_graphs(ys)
-        self._entries = [fn for fn, _ in tops] + [fn for fn, _ in live]  # where later passes may start
-        self.finished, pending = _split_live(ys, live, self.reach, y_supports)
+        self.finished, pending = _split_live(ys, _outputs.live_graphs(ys), self.reach, y_supports)
         self._candidates = _candidates(self.finished, pending)
         what = [_outputs.describe(t) for t in ys] + [f"the gradient into {name(e.node)}" for e in edges]
         self.reason = Release(f"{call}({', '.join(what)})", self._candidates)
@@ -150,10 +147,8 @@ class Plan:
         protect += [(fn, text) for fn, _, text in guards]
         starts += [(fn, nr, ALL) for fn, nr, _ in guards if nr is not None]
         order = sorted(range(len(protect)), key=lambda i: protect[i][0] not in self.reach)  # nearest first
-        self._stops: list = []  # released nodes (of earlier calls) right below the protected graph
         self.protected = reach(
-            (protect[i][0] for i in order), through_released=False, supports=_supports(starts),
-            stops=self._stops,
+            (protect[i][0] for i in order), through_released=False, supports=_supports(starts)
         )
         self._guard_text = [protect[i][1] for i in order]
         self.roots = [fn for fn, _ in tops if fn not in self.protected]
@@ -367,45 +362,13 @@ class Plan:
         forget(self._zero_keys)
         self._zero_keys.clear()
 
-    def _mark_released(self, nodes: dict, reason: str) -> None:
-        """Stop protection walks at these nodes; let zero-gradient passes through them:
-        a guard on each that a pass can reach first (NOTE [ Guards at the frontier ] in
-        ``_zero.py``), and on the released nodes of earlier calls right below what
-        stays protected."""
+    @staticmethod
+    def _mark_released(nodes, reason: str) -> None:
+        """Let zero-gradient passes through these nodes; stop protection walks there."""
         for node in nodes:
-            node.metadata[RELEASED] = reason
-        for node in self._frontier(nodes):
-            guard_released(node)
-        for node in self._stops:
-            guard_released(node)
-
-    def _frontier(self, released: dict) -> list:
-        """The nodes of ``released`` a later pass can reach from a node not in it: the
-        walk's roots and the live tensors' nodes among them, and those right below a
-        node of the walk that is not released and may lead into them (saves nothing,
-        lost or never had its tensors, a routing node), or below a live tensor's node
-        (through nodes that save nothing: ``logits.view(-1)`` held for a metric). A
-        node all of whose parents are released is guarded by them as a pass runs."""
-        protected, routers = self.protected, self._routers
-        out = {node: None for node in self._entries if node in released}
-        for node in self.reach:
-            if node in released or (node in protected and node not in routers):
-                continue  # a protected node leads only into protected ones, but along routing
-            for child, _ in node.next_functions:
-                if child in released:
-                    out[child] = None
-        # a live tensor's node outside the walk: below it, through nodes that save nothing
-        stack = [node for node in self._entries if node not in self.reach]
-        seen = set(stack)
-        while stack:
-            for child, _ in stack.pop().next_functions:
-                if child in released:
-                    out[child] = None
-                elif child is not None and child not in seen and child not in self.reach and (
-                        not saved_attributes(type(child))):
-                    seen.add(child)
-                    stack.append(child)
-        return list(out)
+            md = node.metadata
+            md[RELEASED] = reason
+            guard_released(node, md)
 
     @walks
     def release(self, ran_only: bool = False) -> None:
@@ -441,7 +404,7 @@ class Plan:
         """The pass raised: keep what it had not used, and say where the rest went."""
         self._disarm()
         reason = Release(f"{self.reason}, whose pass raised before it finished", self._candidates)
-        ran = {node: None for node, live in self.handles_by_node.items() if any(h.released for h in live)}
+        ran = [node for node, live in self.handles_by_node.items() if any(h.released for h in live)]
         for node in ran:
             for h in self.handles_by_node[node]:
                 if h.released:

@@ -5,9 +5,8 @@ Losses stacked with ``torch.stack`` (or summed with weights that are zero for a
 task) make ``losses[1].backward()`` run head 0's nodes too, with all-zero incoming
 gradients (DESIGN.md fact 9). Plain PyTorch computes zeros there; a released node
 has no tensors left. Backward functions are linear in the incoming gradient, so
-zero in means zero out. A guarded released node has one pre-hook (NOTE [ Guards at
-the frontier ]: which nodes, and when), which sees the incoming gradients before
-the node runs: any non-zero one raises
+zero in means zero out. A released node gets one pre-hook, which sees the incoming
+gradients before the node runs: any non-zero one raises
 :class:`ReleasedTensorError` there, before a kernel could run on a placeholder, so
 never a wrong gradient and never a kernel's own error. All-zero ones mark the node
 for this graph task: the unpack hook then hands it a placeholder for each released
@@ -18,21 +17,6 @@ that held the node's wrapper would be a reference cycle through C++. The mark is
 keyed by (the node's wrapper, graph task), so a pass that raised midway or another
 thread's pass never sees a stale mark. Placeholders of floating tensors are
 zero-stride (no memory); integer ones (LU pivots, indices) are contiguous ones.
-
-NOTE [ Guards at the frontier ]
-Registering a pre-hook costs ~4 µs of Python (an ``OrderedDict``, a
-``RemovableHandle``), more than the rest of a prune spends on a node; and most
-released nodes can only be reached through other released nodes. So a prune guards
-the released nodes a later pass can reach first (``Plan._frontier``): the roots of
-its walk, the nodes of live tracked tensors, those right below a node of the walk
-that is not released (one that saves nothing, a routing node, a checkpointed one),
-and the released nodes of earlier calls right below what it keeps. When a guarded
-node lets zeros through, its pre-hook guards the released nodes below it (through
-nodes that save nothing) before they run: they wait for it, so no thread runs them
-while their hooks change, and the engine reads a node's pre-hooks when it calls it.
-A zero pass that enters released nodes from a graph no prune walked (a tensor built
-outside ``track()``, or one that died, from an intermediate of the branch) meets an
-unguarded node: it raises :class:`ReleasedTensorError`, as a non-zero pass does.
 
 NOTE [ Zeros known without looking ]
 Reading a gradient's values (``g.any()``) on a GPU waits for the device: one
@@ -82,32 +66,9 @@ def _zero_or_raise(grad_outputs) -> None:
             raise ReleasedTensorError(released_message(node, node.metadata.get(RELEASED)))
         with _lock:
             _zero_pass.add(key)
-    md = node.metadata
-    if _ZEROING not in md:
-        md[_ZEROING] = True
+    if _ZEROING not in node.metadata:
+        node.metadata[_ZEROING] = True
         node.register_hook(_zero_outputs)
-    _guard_below(node)
-
-
-def _guard_below(node) -> None:
-    """Guard the released nodes right below ``node`` (running now, with zeros), and
-    those below it through nodes that save nothing, before they run (NOTE [ Guards at
-    the frontier ]): they wait for ``node``, so no thread is running them."""
-    from ._graph import saved_attributes  # _graph imports this module
-
-    stack = [child for child, _ in node.next_functions if child is not None]
-    seen = set()
-    while stack:
-        child = stack.pop()
-        if child in seen:
-            continue
-        seen.add(child)
-        if not saved_attributes(type(child)):
-            stack += [c for c, _ in child.next_functions if c is not None]
-            continue
-        md = child.metadata
-        if RELEASED in md:
-            guard_released(child, md)
 
 
 def _zero_outputs(grad_inputs, grad_outputs):
