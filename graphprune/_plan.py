@@ -130,7 +130,7 @@ class Plan:
         self.reach = reach([fn for fn, _ in tops], supports=y_supports)
         self._routers = y_supports  # the routing nodes the walk met, for arm()
         self._zero_keys: list = []
-        self.finished, pending = _split_live(ys, _outputs.live_graphs(ys), self.reach, y_supports)
+        self.finished, pending = _split_live(ys, self.reach, y_supports)
         self._candidates = _candidates(self.finished, pending)
         what = [_outputs.describe(t) for t in ys] + [f"the gradient into {name(e.node)}" for e in edges]
         self.reason = Release(f"{call}({', '.join(what)})", self._candidates)
@@ -213,17 +213,13 @@ class Plan:
                 kept_nodes[reason] = kept_nodes.pop(_FOREIGN_REASON)
         owned = _graph_owned(kept_by.values())
         handles = [h for live in by_node.values() for h in live]
-        trunk: dict[int, list] = {}  # the kept handles by storage
+        trunk: dict[int, int] = {}  # the kept storages' bytes
         kept = []
         for reason, nodes in kept_nodes.items():  # every reason, in the order the walk met it
             held = storages(h for live in kept_by.get(reason, ()) for h in live
                             if not h.leaf or id(h.tensor) in owned)
             for key, entry in held.items():
-                merged = trunk.get(key)
-                if merged is None:
-                    trunk[key] = entry
-                else:
-                    trunk[key] = [max(merged[0], entry[0]), *merged[1:], *entry[1:]]
+                trunk[key] = max(trunk.get(key, 0), entry[0])
             unknown = reason in (_FOREIGN_REASON, _UNTRACKED_REASON)  # not graphprune's handles
             nbytes = None if unknown else sum(entry[0] for entry in held.values())
             kept.append(KeptReason(reason, len(nodes), nbytes, frozenset(map(id, nodes))))
@@ -243,7 +239,7 @@ class Plan:
             released_nodes=dict(names),
             released_tensors=len(handles),
             bytes_freed=exclusive_bytes(branch),
-            bytes_kept=sum(entry[0] for entry in trunk.values()),
+            bytes_kept=sum(trunk.values()),
             kept=tuple(kept),
             released_ids=frozenset(map(id, by_node)),
         )
@@ -251,7 +247,7 @@ class Plan:
     def _graph_bytes(self) -> int:
         """Bytes the pruned graph held before the call: the kept part's and the branch's
         (parameters and inputs aside)."""
-        total = {key: entry[0] for key, entry in self._trunk.items()}
+        total = dict(self._trunk)
         for key, entry in self._branch.items():
             graph = [h for h in entry[1:] if not h.leaf]
             if not graph:
@@ -448,12 +444,13 @@ def _size_along(t: torch.Tensor, support) -> int:
     return t.shape[support[0]] if support else 0
 
 
-def _split_live(ys, live: list, reached: dict, supports: dict) -> tuple[list, list]:
-    """The live tracked tensors (``live``: ``_outputs.live_graphs(ys)``) as
-    ``(grad_fn, output number, support, tensor)``: those the walk from ``ys`` ran
-    through, with the support it took (finished there), and those it did not or not
-    wholly, with what is left of them (pending)."""
+def _split_live(ys, reached: dict, supports: dict) -> tuple[list, list]:
+    """The live tracked tensors (``ys`` aside) as ``(grad_fn, output number, support,
+    tensor)``: those the walk from ``ys`` ran through, with the support it took
+    (finished there), and those it did not or not wholly, with what is left of
+    them (pending)."""
     finished, pending = [], []
+    live = _outputs.live_graphs(ys)
     done_whole = {id(t) for t in ys}
     for fn, t in live:
         done = fn.metadata.get(FINISHED)

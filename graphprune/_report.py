@@ -19,12 +19,12 @@ __all__ = [
 ]
 
 
-def storages(handles, out: dict | None = None) -> dict[int, list]:
+def storages(handles) -> dict[int, list]:
     """``{key: [bytes, handle, ...]}``: the live ``handles`` grouped by the storage
-    behind them (``storage_of``'s key), with the most bytes one of them spans; added to
-    ``out`` if given. The storage of several views (``q``, ``k``, ``v`` of one
-    projection, a weight and its transpose) is asked its size once."""
-    out = {} if out is None else out
+    behind them (``storage_of``'s key), with the most bytes one of them spans. The
+    storage of several views (``q``, ``k``, ``v`` of one projection, a weight and its
+    transpose) is asked its size once."""
+    out: dict[int, list] = {}
     address = torch._C._storage_address
     view_bytes: dict[int, int] = {}
     for h in handles:
