@@ -12,9 +12,11 @@ one thread, every comparison plain vs ``graphprune.track()`` in that one process
 * ``transformer`` -- a trunk of 4 ``TransformerEncoderLayer(128, 4, 256)`` and two heads
   of one layer each on 8 x 64 tokens.  Plain step: forward, ``l1.backward(retain_graph=
   True)``, ``l2.backward()``; graphprune step: the forward under ``track()``, the same
-  backwards with ``prune_after(l1, keep=x)`` between them.  Each step ends by dropping
-  its tensors (timed, in both).  Steps alternate until a time budget is spent; ratios
-  are paired medians, prune_after's share is the median of prune / its ``l1`` backward.
+  backwards with ``prune_after(l1, keep=x)`` between them; floor step: the forward under
+  the chain's floor (a no-op mode, a detaching pack hook), ``scaling.floor_walk`` in place
+  of the prune.  Each step ends by dropping its tensors (timed, in all).  Steps rotate
+  until a time budget is spent; ratios are paired medians, prune_after's share is the
+  median of prune / its ``l1`` backward.
 * ``memory``      -- a chain of ``n`` muls under ``tracemalloc``: traced Python memory
   held after a tracked forward minus after an identical plain one, per node.  Only
   Python allocations are traced; the tensors are the same in both and cancel out.
@@ -39,6 +41,8 @@ import torch.nn as nn
 from torch.overrides import TorchFunctionMode
 
 import graphprune as gp
+
+from .scaling import floor_walk
 
 PARTS = ("chain", "transformer", "memory")
 # the targets (reported, never asserted)
@@ -250,14 +254,32 @@ def _gp_step(m) -> dict:
     return dict(fwd=t1 - t0, bwd1=t2 - t1, prune=t3 - t2, step=t4 - t0)
 
 
+def _floor_step(m) -> dict:
+    """The step any tracker of this kind pays at least: the forward under the floor's
+    mode and hooks (``_lean``), and in place of the prune one walk that reads each
+    node's saved objects (``scaling.floor_walk``, which makes the wrappers as a prune does)."""
+    t0 = time.perf_counter()
+    x, l1, l2 = _lean(m.forward)
+    t1 = time.perf_counter()
+    l1.backward(retain_graph=True)
+    t2 = time.perf_counter()
+    floor_walk(l1.grad_fn)
+    t3 = time.perf_counter()
+    l2.backward()
+    del x, l1, l2
+    t4 = time.perf_counter()
+    return dict(fwd=t1 - t0, bwd1=t2 - t1, prune=t3 - t2, step=t4 - t0)
+
+
 def run_transformer(size) -> dict:
     m = _Model(size)
     counts = census(lambda: m.forward())
-    runs = {"plain": [], "gp": []}
+    steps = [("plain", _plain_step), ("gp", _gp_step), ("floor", _floor_step)]
+    runs = {name: [] for name, _ in steps}
     start, rnd = time.perf_counter(), 0
     while rnd < size["steps"] + 2 and (rnd < 5 or time.perf_counter() - start < size["budget_s"]):
         gc.collect()  # once a round: a collection costs ~0.1 s with torch imported
-        for name, step in [("plain", _plain_step), ("gp", _gp_step)][:: 1 if rnd % 2 else -1]:
+        for name, step in steps[rnd % 3:] + steps[:rnd % 3]:  # the order turns round by round
             for p in m.params:
                 p.grad = None
             r = step(m)
@@ -272,7 +294,10 @@ def run_transformer(size) -> dict:
     return dict(census=counts, steps=len(runs["gp"]), median_s=med,
                 fwd_ratio=_paired(col("gp", "fwd"), col("plain", "fwd"), lambda a, b: a / b),
                 step_ratio=_paired(col("gp", "step"), col("plain", "step"), lambda a, b: a / b),
-                prune_share=_paired(col("gp", "prune"), col("gp", "bwd1"), lambda a, b: a / b))
+                prune_share=_paired(col("gp", "prune"), col("gp", "bwd1"), lambda a, b: a / b),
+                floor_fwd_ratio=_paired(col("floor", "fwd"), col("plain", "fwd"), lambda a, b: a / b),
+                floor_step_ratio=_paired(col("floor", "step"), col("plain", "step"), lambda a, b: a / b),
+                floor_prune_share=_paired(col("floor", "prune"), col("floor", "bwd1"), lambda a, b: a / b))
 
 
 # -- bookkeeping bytes ----------------------------------------------------------------
@@ -339,7 +364,7 @@ def _chain_rows(r) -> list[dict]:
 def _transformer_rows(r) -> list[dict]:
     m = r["median_s"]
     wl = f"overhead/transformer ({r['steps']} paired steps)"
-    return [
+    rows = [
         _row("small transformer, forward (4-layer trunk + 2 one-layer heads)",
              f"{m['plain_fwd'] * 1e3:.1f} ms", f"{m['gp_fwd'] * 1e3:.1f} ms", f"{r['fwd_ratio']:.3f}x",
              f"≤ {FWD_X:g}x",
@@ -352,6 +377,16 @@ def _transformer_rows(r) -> list[dict]:
              f"{r['prune_share'] * 100:.1f}%", f"≤ {PRUNE_SHARE:.0%}", r["prune_share"] <= PRUNE_SHARE, wl,
              "prune_after"),
     ]
+    if "floor_step_ratio" in r:  # the machine's floor: the chain's mode and hook, one bare walk
+        rows.append(_row(
+            "the floor on this machine (no target): forward under a no-op `TorchFunctionMode` and a "
+            "pack hook that detaches; step with one walk reading the saved objects in place of the "
+            "prune; that walk / the `l1` backward", f"{m['plain_fwd'] * 1e3:.1f} ms / "
+            f"{m['plain_step'] * 1e3:.1f} ms", f"floor {m['floor_fwd'] * 1e3:.1f} ms / "
+            f"{m['floor_step'] * 1e3:.1f} ms / walk {m['floor_prune'] * 1e3:.2f} ms",
+            f"{r['floor_fwd_ratio']:.3f}x / {r['floor_step_ratio']:.3f}x / "
+            f"{r['floor_prune_share'] * 100:.1f}%", "—", None, wl, "floor"))
+    return rows
 
 
 def _memory_rows(r) -> list[dict]:

@@ -71,7 +71,11 @@ def test_every_strategy_has_a_row_in_every_table(suite):
                 float(cells[3])  # a measured time
     assert "## Targets" in by_title or any(t.startswith("Targets") for t in by_title)
     assert any(t.startswith("Scaling") for t in by_title)
-    assert "| measurement | plain | graphprune |" in by_title.get("Tracking overhead", "")
+    overhead = by_title.get("Tracking overhead", "")
+    assert "| measurement | plain | graphprune |" in overhead
+    floors = [line for line in overhead.splitlines() if "the floor on this machine" in line]
+    assert any("pack hook that detaches, one forward" in f for f in floors), "no chain floor row"
+    assert any("that walk / the `l1` backward" in f for f in floors), "no transformer floor row"
 
 
 def test_json_has_a_measurement_per_job(suite):
