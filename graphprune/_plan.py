@@ -31,7 +31,7 @@ from ._marks import FINISHED, RELEASED
 from ._report import (
     KeptReason,
     PruneReport,
-    exclusive_bytes,
+    exclusive_keys,
     format_bytes,
     held_elsewhere,
     storages,
@@ -211,7 +211,7 @@ class Plan:
                 reason = _FOREIGN_REASON + _CHECKPOINT_INPUTS
                 kept_by[reason] = [*kept_by.pop(_FOREIGN_REASON, []), inputs]
                 kept_nodes[reason] = kept_nodes.pop(_FOREIGN_REASON)
-        owned = _graph_owned(kept_by.values())
+        owned = _graph_owned([*kept_by.values(), by_node.values()])  # the branch's are released now
         handles = [h for live in by_node.values() for h in live]
         trunk: dict[int, int] = {}  # the kept storages' bytes
         kept = []
@@ -225,6 +225,7 @@ class Plan:
             kept.append(KeptReason(reason, len(nodes), nbytes, frozenset(map(id, nodes))))
         branch = storages(handles)
         self._trunk, self._branch = trunk, branch
+        self._exclusive = exclusive_keys(branch)
         if tracked:
             kinds.add(TRACKED)
         released = collections.Counter(map(type, by_node))
@@ -238,7 +239,7 @@ class Plan:
         return by_node, dict(
             released_nodes=dict(names),
             released_tensors=len(handles),
-            bytes_freed=exclusive_bytes(branch),
+            bytes_freed=sum(branch[key][0] for key in self._exclusive),
             bytes_kept=sum(trunk.values()),
             kept=tuple(kept),
             released_ids=frozenset(map(id, by_node)),
@@ -375,9 +376,11 @@ class Plan:
         if ran_only:
             ran = {n: live for n, live in self.handles_by_node.items() if any(h.released for h in live)}
             self.handles_by_node = ran
+            branch = self._branch  # a storage is given back if every handle on it was released
             self.report_args = dict(self.report_args, released_nodes=dict(collections.Counter(
                 name(n) for n in ran)), released_tensors=sum(map(len, ran.values())),
-                released_ids=frozenset(map(id, ran)))
+                released_ids=frozenset(map(id, ran)), bytes_freed=sum(
+                    branch[key][0] for key in self._exclusive if all(h.released for h in branch[key][1:])))
         for live in self.handles_by_node.values():
             for h in live:
                 h.release(self.reason)

@@ -14,7 +14,8 @@ from ._outputs import live_roots
 from ._saved import SavedHandle, storage_of
 
 __all__ = [
-    "PruneReport", "KeptReason", "storages", "unique_bytes", "exclusive_bytes", "held_elsewhere",
+    "PruneReport", "KeptReason", "storages", "unique_bytes", "exclusive_keys", "exclusive_bytes",
+    "held_elsewhere",
     "format_bytes", "snapshot",
 ]
 
@@ -56,34 +57,44 @@ def unique_bytes(handles: list[SavedHandle]) -> int:
     return sum(entry[0] for entry in storages(handles).values())
 
 
-def exclusive_bytes(by_storage: dict[int, list]) -> int:
-    """Bytes that dropping the handles of ``by_storage`` (:func:`storages`) gives
-    back: the storages nothing else uses."""
-    total = 0
+def exclusive_keys(by_storage: dict[int, list]) -> list[int]:
+    """The keys of ``by_storage`` (:func:`storages`) whose storages nothing but their
+    handles uses: what dropping the handles gives back."""
+    keys = []
     refcount, uses = sys.getrefcount, torch._C._storage_Use_Count
     for key, entry in by_storage.items():
         if len(entry) == 2:  # held_elsewhere's common case, without the call and the list
             h = entry[1]
-            if refcount(h.tensor) > 2 or (key >= 0 and uses(key) - 1 - h.view > 0):  # 2: the
-                continue  # handle, getrefcount's argument; a negative key: no storage address
-            total += entry[0]
+            if refcount(h.tensor) > 2:  # the handle, getrefcount's argument
+                continue
+            if key >= 0:  # a negative key: no storage address
+                extra = uses(key) - 1
+                if extra == 1:  # the storage's Python object, or one other use
+                    extra = _other_uses(h.tensor, key, 1)
+                if extra > 0:
+                    continue
+            keys.append(key)
         elif not held_elsewhere(entry[1:], key):
-            total += entry[0]
-    return total
+            keys.append(key)
+    return keys
+
+
+def exclusive_bytes(by_storage: dict[int, list]) -> int:
+    """Bytes that dropping the handles of ``by_storage`` (:func:`storages`) gives
+    back: the storages nothing else uses."""
+    return sum(by_storage[key][0] for key in exclusive_keys(by_storage))
 
 
 def held_elsewhere(group: list[SavedHandle], address: int | None = None) -> bool:
     """Whether anything but ``group`` uses the storage its handles share (at
     ``address``, found if ``None``): another reference to a tensor a handle holds as
     it is (a leaf: a parameter, an input), or another tensor on the storage (the
-    output a handle's detached alias came from). A view's ``storage_of`` made the
-    storage's Python object, which the storage keeps: one use more (``wrapped``)."""
+    output a handle's detached alias came from)."""
     if len(group) == 1:  # the common case, without the dict
         h = group[0]
         if sys.getrefcount(h.tensor) > 2:  # the handle, getrefcount's argument
             return True
         distinct = 1
-        wrapped = h.view
     else:
         tensors = {id(h.tensor): h.tensor for h in group}
         distinct = len(tensors)
@@ -91,7 +102,6 @@ def held_elsewhere(group: list[SavedHandle], address: int | None = None) -> bool
             mine = sum(h.tensor is t for h in group)
             if sys.getrefcount(t) - mine - 3 > 0:  # 3: the dict, the loop, getrefcount's argument
                 return True
-        wrapped = any(h.view for h in group)
     try:
         if address is None:
             address = torch._C._storage_address(group[0].tensor)
@@ -99,8 +109,21 @@ def held_elsewhere(group: list[SavedHandle], address: int | None = None) -> bool
         return False
     if address < 0:  # storage_of's key of a tensor without a storage address
         return False
-    uses = torch._C._storage_Use_Count(address)
-    return uses - distinct - wrapped > 0
+    return _other_uses(group[0].tensor, address, distinct) > 0
+
+
+def _other_uses(t: torch.Tensor, address: int, distinct: int) -> int:
+    """Uses of the storage at ``address`` (behind ``t``) besides ``distinct`` tensors
+    of one group. The storage's Python object, once made (by :func:`storages` for a
+    view, an earlier prune, the user's ``untyped_storage()``), counts one use for as
+    long as the storage lives; so a count one over is read again with the object
+    surely made (``untyped_storage()`` returns it, or makes it)."""
+    uses = torch._C._storage_Use_Count
+    extra = uses(address) - distinct
+    if extra == 1:
+        t.untyped_storage()
+        extra = uses(address) - distinct - 1
+    return extra
 
 
 @dataclass(frozen=True)

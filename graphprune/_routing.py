@@ -243,10 +243,12 @@ def stamp_setitem(target: torch.Tensor, key, before) -> None:
 
 
 def _written(key, shape: tuple):
-    """``(dim, indices, size)`` of the one constrained dim of a basic index, or ``None``."""
+    """``(dim, indices, size)`` of the one constrained dim of a basic index, or ``None``:
+    also where another dim is constrained too (``M[0, 1] = v`` writes one entry of row 0,
+    not the row)."""
     items = key if isinstance(key, tuple) else (key,)
     d = 0
-    for k in items:
+    for i, k in enumerate(items):
         if d >= len(shape):
             return None
         if isinstance(k, slice) and k == slice(None):
@@ -259,6 +261,8 @@ def _written(key, shape: tuple):
             indices = frozenset((k % shape[d],)) if -shape[d] <= k < shape[d] else None
         else:
             indices = frozenset(range(*k.indices(shape[d])))
+        if not all(r is Ellipsis or (isinstance(r, slice) and r == slice(None)) for r in items[i + 1:]):
+            return None  # a block of the dim's entries, not whole ones: not routed
         return None if not indices else (d, indices, shape[d])
     return None  # the whole tensor was written
 

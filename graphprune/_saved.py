@@ -84,7 +84,7 @@ class SavedHandle:
         if t is None:
             node = torch._C._current_autograd_node()
             if node is not None and in_zero_pass(node):
-                return placeholder(*self.meta)  # NOTE [ Zero-gradient passes through released nodes ]
+                return placeholder(*self.meta, node)  # NOTE [ Zero-gradient passes through released nodes ]
             raise ReleasedTensorError(released_message(node, self.released_by))
         if t._version != self.version:
             raise InplaceModifiedError(self._inplace_message(t))

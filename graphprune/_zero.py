@@ -16,7 +16,8 @@ give NaN (Div, Log). The hooks are plain functions shared by every node: a closu
 that held the node's wrapper would be a reference cycle through C++. The mark is
 keyed by (the node's wrapper, graph task), so a pass that raised midway or another
 thread's pass never sees a stale mark. Placeholders of floating tensors are
-zero-stride (no memory); integer ones (LU pivots, indices) are contiguous ones.
+zero-stride (no memory); integer ones are contiguous zeros (indices: 0 is valid along
+any dim that is not empty), or ones for LU pivots, which are 1-based.
 
 NOTE [ Zeros known without looking ]
 Reading a gradient's values (``g.any()``) on a GPU waits for the device: one
@@ -149,8 +150,13 @@ def in_zero_pass(node) -> bool:
     return (id(node), torch._C._current_graph_task_id()) in _zero_pass
 
 
-def placeholder(shape, dtype: torch.dtype, device) -> torch.Tensor:
-    """What a released node gets in a zero-gradient pass instead of its tensor."""
+def placeholder(shape, dtype: torch.dtype, device, node=None) -> torch.Tensor:
+    """What released ``node`` (running now) gets in a zero-gradient pass instead of
+    its tensor. Integer tensors are indices (valid as 0 along any dim that is not
+    empty; 1 is out of range on a dim of size 1), except the 1-based LU pivots of a
+    node that saves ``pivots``."""
     if dtype.is_floating_point or dtype.is_complex:
         return torch.zeros((), dtype=dtype, device=device).expand(shape)
-    return torch.ones(shape, dtype=dtype, device=device)
+    if node is not None and hasattr(type(node), "_raw_saved_pivots"):
+        return torch.ones(shape, dtype=dtype, device=device)
+    return torch.zeros(shape, dtype=dtype, device=device)

@@ -1,6 +1,8 @@
 """What a report says: node ids to colour a graph by, every byte the trunk holds, one
 tensor named once."""
 
+import weakref
+
 import torch
 
 import graphprune as gp
@@ -61,6 +63,58 @@ def test_bytes_kept_counts_dropout_noise_but_not_the_input_the_user_holds():
     del inp
     assert gp.explain(y1).bytes_kept == 2 * 256 * 256 * 4  # now the graph alone holds the input
     y2.backward()
+
+
+def test_bytes_kept_counts_a_mask_the_trunk_and_the_pruned_branch_both_saved():
+    """The branch's handle on the mask is released by the same call: after it, the
+    trunk alone holds the mask, so it is the trunk's memory."""
+    w = torch.randn(64, requires_grad=True)
+    with gp.track():
+        mask = (torch.arange(64) % 2).float()
+        x = w.exp() * mask  # the trunk saves exp's result and the mask
+        y1 = (x * mask).sum()  # the branch saves the mask too
+        y2 = x.sin().sum()
+    del mask
+    y1.backward(retain_graph=True)
+    assert gp.prune_after(y1).bytes_kept == 2 * 64 * 4
+    y2.backward()
+
+
+def test_bytes_freed_counts_a_storage_whose_python_object_exists():
+    """A storage's Python object (made by an earlier prune's look at a view of it, or by
+    the user's ``untyped_storage()``) is one more use of it, and no reason it stays."""
+    for made_by in ("an earlier prune", "the user"):
+        w = torch.randn(8, 8, requires_grad=True)
+        inp = torch.randn(8, 8)
+        with gp.track():
+            h = inp @ w
+            a = h.sin()  # saves h whole
+            b = h[0:4].cos()  # saves a view of h
+            l1, l2 = b.sum(), a.sum()
+        if made_by == "the user":
+            h.untyped_storage()
+        del h, a, b
+        l1.backward(retain_graph=True)
+        assert gp.prune_after(l1).bytes_freed == 0  # SinBackward0 still holds h's storage
+        l2.backward(retain_graph=True)
+        storage = weakref.ref(l2.grad_fn.next_functions[0][0]._raw_saved_self.data.tensor.untyped_storage())
+        report = gp.prune_after(l2)
+        assert storage() is None, made_by
+        assert report.bytes_freed == 8 * 8 * 4, made_by
+
+
+def test_bytes_freed_of_a_pass_stopped_at_inputs_counts_only_the_nodes_it_ran():
+    w = torch.randn(64, requires_grad=True)
+    with gp.track():
+        a = w.exp()
+        x = a.sin() * 1.0  # ExpBackward0 and SinBackward0 save a; the pass stops above them
+        c = x.cos()
+        y = (c * c).sum()  # MulBackward0 saves c: freed
+    del a, c
+    below = x.grad_fn.next_functions[0][0]
+    report = gp.backward(y, retain_graph=False, inputs=[x])
+    assert not below._raw_saved_self.data.released
+    assert report.bytes_freed == 64 * 4
 
 
 def test_a_view_of_a_finished_tensor_is_finished():

@@ -1,6 +1,8 @@
 """Gradient routing: losses gathered into one tensor and backpropagated one at a time
 (NOTE [ Gradient routing ] in ``graphprune/_routing.py``)."""
 
+import contextlib
+
 import pytest
 import torch
 from hypothesis import given, settings
@@ -122,6 +124,40 @@ def test_setitem_with_plain_keys_is_stamped():
     assert _routing._written(torch.tensor([1]), (5,)) is None
     assert _routing._written((Ellipsis, 1), (2, 5)) is None
     assert _routing._written(slice(None), (5,)) is None  # the whole tensor
+    assert _routing._written((0, Ellipsis), (2, 5)) == (0, frozenset({0}), 2)
+    assert _routing._written((1, slice(None)), (2, 5)) == (0, frozenset({1}), 2)
+
+
+@pytest.mark.parametrize("key", [(0, 1), (0, slice(None, 2)), (slice(0, 1), slice(0, 1)), (0, Ellipsis, 1)])
+def test_setitem_that_constrains_two_dims_is_not_stamped(key):
+    assert _routing._written(key, (2, 3)) is None
+
+
+@pytest.mark.parametrize("how", ["backward", "gp.backward"])
+def test_assigning_part_of_a_row_keeps_the_rest_of_the_row_differentiable(how):
+    """``M[0, 1] = v`` overwrites one entry of row 0: ``M[0]`` still reaches ``a`` through
+    the others, so a prune must keep ``a``'s node and a pass must not count it as
+    reached by zeros only."""
+    def run(tracked):
+        w = torch.ones(3, requires_grad=True)
+        v = torch.tensor(2.0, requires_grad=True)
+        with gp.track() if tracked else contextlib.nullcontext():
+            a = w.exp()
+            rows = torch.stack([a, w.sin()])
+            y1 = a.sum()
+            rows[0, 1] = v * 3
+            p = rows[0].sum()
+        y1.backward(retain_graph=True)
+        if tracked:
+            gp.prune_after(y1)
+        w.grad = None
+        if tracked and how == "gp.backward":
+            gp.backward(p)
+        else:
+            p.backward()
+        return w.grad
+
+    assert_close(run(tracked=True), run(tracked=False))
 
 
 def test_index_text_reads_like_python():

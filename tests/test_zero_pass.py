@@ -4,8 +4,11 @@
 nodes too, with zero gradients. Once head 0 is pruned, that must still work.
 """
 
+import contextlib
+
 import pytest
 import torch
+import torch.nn.functional as F
 from torch.testing import assert_close
 
 import graphprune as gp
@@ -208,3 +211,39 @@ def test_gp_backward_on_stacked_losses_after_two_prunes_gives_zeros_not_nan():
         gp.backward(l1)
 
     _zeros_after(build, prunes, lambda l0, l1, losses: gp.backward(losses[1]))
+
+
+def _square(x):
+    return x[:, :4].reshape(4, 4) + 4 * torch.eye(4)
+
+
+# heads whose released node saved an integer tensor: indices along a dim of size 1, where
+# only 0 is in range, and LU pivots, which are 1-based
+INTEGER_SAVING_HEADS = {
+    "max_indices": lambda x: x[:, :1].max(dim=1).values.sum(),
+    "sort_indices": lambda x: x[:, :1].sort(dim=1).values.sum(),
+    "topk_indices": lambda x: x[:, :1].topk(1, dim=1).values.sum(),
+    "gather_index": lambda x: x[:, :1].gather(1, torch.zeros(4, 1, dtype=torch.long)).sum(),
+    "nll_target": lambda x: F.nll_loss(x[:, :1].log_softmax(1), torch.zeros(4, dtype=torch.long)),
+    "det_pivots": lambda x: torch.linalg.det(_square(x)),
+    "solve_pivots": lambda x: torch.linalg.solve(_square(x), torch.ones(4)).sum(),
+    "lu_factor_pivots": lambda x: torch.linalg.lu_factor(_square(x))[0].sum(),
+}
+
+
+@pytest.mark.parametrize("name", sorted(INTEGER_SAVING_HEADS))
+def test_a_zero_pass_through_a_released_node_that_saved_integers_matches_plain(name):
+    def run(tracked):
+        torch.manual_seed(0)
+        w = torch.randn(4, 4, requires_grad=True)
+        with gp.track() if tracked else contextlib.nullcontext():
+            x = w * 2
+            head0 = INTEGER_SAVING_HEADS[name](x)
+            losses = torch.stack([head0, x.sin().sum()])
+        losses[0].backward(retain_graph=True)
+        if tracked:
+            assert gp.prune_after(losses[0]).released_tensors >= 1
+        losses[1].backward()  # head 0's released nodes run with zeros, on placeholders
+        return w.grad
+
+    assert_close(run(tracked=True), run(tracked=False))
