@@ -64,11 +64,15 @@ class _Stack:
         return (x if x is not None else w), h.sum()
 
 
+_SAVED_ATTRS: dict[type, list[str]] = {}  # a node type's _raw_saved_* names, found once per process
+
+
 def floor_walk(root) -> int:
     """The least a prune that reads the graph when asked does per node, on this machine:
     visit each node once (a queue over ``next_functions``) and read what it saved
-    without unpacking it (``_raw_saved_*``'s ``.data``), nothing else. Returns the
-    number of nodes visited.
+    without unpacking it (``_raw_saved_*``'s ``.data``, the names found once per node
+    type and process, as graphprune finds them), nothing else. Returns the number of
+    nodes visited.
 
     Example::
 
@@ -77,7 +81,7 @@ def floor_walk(root) -> int:
         >>> floor_walk(w.sin().cos().sum().grad_fn)  # sum, cos, sin, w's AccumulateGrad
         4
     """
-    attrs: dict[type, list[str]] = {}
+    attrs = _SAVED_ATTRS
     saved_tensor = torch._C._autograd.SavedTensor
     seen, queue = {root}, [root]
     read = []

@@ -85,7 +85,8 @@ def children(node) -> tuple:
 name = node_name
 
 
-def reach(roots, through_released: bool = True, supports: dict | None = None) -> dict[Node, int]:
+def reach(roots, through_released: bool = True, supports: dict | None = None, stop=None,
+          skipped: list | None = None) -> dict[Node, int]:
     """Every node reachable from ``roots`` (wrappers; ``None`` skipped), breadth-first,
     each with the index of the first root that reached it.
 
@@ -97,7 +98,9 @@ def reach(roots, through_released: bool = True, supports: dict | None = None) ->
 
     With ``through_released=False`` the walk stops at nodes that lost saved tensors:
     a pass that reaches one with a non-zero gradient raises, so nothing behind it
-    can be used that way (a zero-gradient pass needs nothing kept).
+    can be used that way (a zero-gradient pass needs nothing kept); ``skipped``, if
+    given, gets each node it did not enter for that. Nodes in ``stop`` are reached
+    but not walked through.
 
     A walk of fewer than ``DEEP`` nodes leaves nothing on the nodes: no chain it
     wrapped can be longer than the walk. A longer walk leaves every node's children
@@ -113,14 +116,21 @@ def reach(roots, through_released: bool = True, supports: dict | None = None) ->
     unknown = _routing.UNKNOWN
     add = queue.append
     never_released = saves_nothing
+    stopping = stop is not None
     with LOCK:
         for i, node in enumerate(roots):
-            if node is not None and node not in out and (through_released or RELEASED not in node.metadata):
+            if node is not None and node not in out:
+                if not (through_released or RELEASED not in node.metadata):
+                    if skipped is not None:
+                        skipped.append(node)
+                    continue
                 out[node] = i
                 add(node)
                 if node not in sup and _is_router(node):
                     sup[node] = _routing.every_output(node)
         for node in queue:
+            if stopping and node in stop:
+                continue
             label = out[node]
             rule = rule_of(type(node), unknown)
             if rule is unknown:
@@ -142,6 +152,8 @@ def reach(roots, through_released: bool = True, supports: dict | None = None) ->
                                 child_rule = rule_for(type(child))
                             if child_rule is not None:
                                 sup[child] = dict.fromkeys(_edge_numbers(node, child), ALL)
+                        elif skipped is not None:
+                            skipped.append(child)
                     elif child in sup and _widen_all(sup[child], _edge_numbers(node, child)):
                         add(child)
             else:
@@ -152,6 +164,8 @@ def reach(roots, through_released: bool = True, supports: dict | None = None) ->
                             add(child)
                             if _is_router(child):
                                 sup[child] = {nr: support}
+                        elif skipped is not None:
+                            skipped.append(child)
                     elif child in sup and _routing.widen(sup[child], nr, support):
                         add(child)
             if len(out) >= limit:

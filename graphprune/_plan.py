@@ -39,6 +39,7 @@ from ._report import (
 )
 from ._routing import ALL, NOTHING, complement, index_text, merge, widen
 from ._saved import SavedHandle
+from ._trunk import released, walk_trunk_once
 from ._warn import warn_at_caller
 from ._zero import forget, guard_released, known_zero
 
@@ -127,7 +128,17 @@ class Plan:
         tops = [(t.grad_fn, t.output_nr) for t in ys] + [(e.node, e.output_nr) for e in edges]
         self._edge_nodes = [e.node for e in edges]
         y_supports = _supports((fn, nr, ALL) for fn, nr in tops)
-        self.reach = reach([fn for fn, _ in tops], supports=y_supports)
+        roots = None if keep is None else _keep_roots(keep, call)
+        protect_extra = [(t.grad_fn, "the graph of a gradient made with create_graph=True")
+                         for t in extra if t is not None and t.grad_fn is not None]
+        protected = self._trunk_walk = self._head = None
+        if roots is not None and len(roots) == 1 and not protect_extra and not guards:
+            fn, nr, _ = roots[0]  # NOTE [ The trunk walked once ] in _trunk.py
+            start = _supports([(fn, nr, ALL)] if nr is not None else [])
+            self.reach, protected, self._trunk_walk, self._head = walk_trunk_once(
+                tops, roots[0], start, y_supports)
+        if protected is None or self.reach is None:
+            self.reach = reach([fn for fn, _ in tops], supports=y_supports)
         self._routers = y_supports  # the routing nodes the walk met, for arm()
         self._zero_keys: list = []
         self.finished, pending = _split_live(ys, self.reach, y_supports)
@@ -139,15 +150,13 @@ class Plan:
             protect = [(fn, functools.partial(_pending_text, t, part)) for fn, _, part, t in losses]
             starts = [(fn, nr, part) for fn, nr, part, _ in losses]
         else:
-            roots = _keep_roots(keep, call)
             protect = [(fn, text) for fn, _, text in roots]
             starts = [(fn, nr, ALL) for fn, nr, _ in roots if nr is not None]
-        protect += [(t.grad_fn, "the graph of a gradient made with create_graph=True")
-                    for t in extra if t is not None and t.grad_fn is not None]
+        protect += protect_extra
         protect += [(fn, text) for fn, _, text in guards]
         starts += [(fn, nr, ALL) for fn, nr, _ in guards if nr is not None]
         order = sorted(range(len(protect)), key=lambda i: protect[i][0] not in self.reach)  # nearest first
-        self.protected = reach(
+        self.protected = protected if protected is not None else reach(
             (protect[i][0] for i in order), through_released=False, supports=_supports(starts)
         )
         self._guard_text = [protect[i][1] for i in order]
@@ -155,79 +164,52 @@ class Plan:
         self.handles_by_node, self.report_args = self._measure()
 
     def _measure(self) -> tuple[dict, dict]:
-        """The branch's live handles by node, and the report's numbers, in one pass."""
-        by_node: dict = {}
-        kept_by: dict[str, list[list[SavedHandle]]] = collections.defaultdict(list)  # the live ones
-        kept_nodes: dict[str, list] = collections.defaultdict(list)
-        kinds = self._kinds = set()
-        protected = self.protected
-        reasons: dict[int, str] = {}
-        one_of = saves_one.get
-        tracked = False  # a node saved one of graphprune's handles, seen without kinds.add
-        for node in self.reach:
-            node_type = type(node)
-            if node_type in saves_nothing:  # most nodes: nothing to measure, only counted if kept
-                if node in protected:
-                    guard = protected[node]
-                    reason = reasons.get(guard) or reasons.setdefault(guard, self._guard_reason(guard))
-                    kept_nodes[reason].append(node)
-                continue
-            attr, p = one_of(node_type), None
-            if attr is not None:  # saved()'s common case, inline: one tensor, in a handle
-                try:
-                    value = getattr(node, attr)
-                    if type(value) is _SavedTensor:
-                        p = value.data
-                except RuntimeError:  # freed by a pass that did not retain the graph
-                    pass
-            if type(p) is SavedHandle:
-                live, kind = [p] if p.tensor is not None else NOTHING_SAVED, TRACKED
-                tracked = True
-            else:
-                handles, kind = saved(node)
-                if len(handles) == 1:
-                    live = handles if handles[0].tensor is not None else NOTHING_SAVED
-                else:
-                    live = [h for h in handles if h.tensor is not None]
-                if handles or kind is not TRACKED:  # a node that saved nothing: not where it was built
-                    kinds.add(kind)
-            if kind is FOREIGN:
-                reason = _FOREIGN_REASON
-            elif kind is UNTRACKED:
-                reason = _UNTRACKED_REASON
-            elif node in protected:
-                guard = protected[node]
-                reason = reasons.get(guard) or reasons.setdefault(guard, self._guard_reason(guard))
-            else:
-                if live:
-                    by_node[node] = live
-                continue
-            if live:
-                kept_by[reason].append(live)
-            kept_nodes[reason].append(node)
-        if _FOREIGN_REASON in kept_nodes:  # NOTE [ What a checkpointed region keeps ] in _checkpoint.py
-            inputs = inputs_of(kept_nodes[_FOREIGN_REASON])
-            if inputs:
-                reason = _FOREIGN_REASON + _CHECKPOINT_INPUTS
-                kept_by[reason] = [*kept_by.pop(_FOREIGN_REASON, []), inputs]
-                kept_nodes[reason] = kept_nodes.pop(_FOREIGN_REASON)
-        owned = _graph_owned([*kept_by.values(), by_node.values()])  # the branch's are released now
+        """The branch's live handles by node, and the report's numbers, in one pass over
+        the nodes; the trunk's below its root measured once (NOTE [ The trunk walked
+        once ] in ``_trunk.py``)."""
+        walked = self._trunk_walk
+        if walked is None:
+            part, trunk = _classify(self.reach, self.protected), None
+        else:
+            part = _classify(self._head, self.protected)
+            trunk = walked.measured(functools.partial(_classify, protected=self.protected))
+        by_node, kept_nodes, kept_by = part.by_node, part.kept_nodes, part.kept_by
+        order = list(kept_nodes) + ([k for k in trunk.counts if k not in kept_nodes] if trunk else [])
+        self._kinds = part.kinds | (trunk.kinds if trunk else set())
+        foreign = kept_nodes.get(_FOREIGN_REASON, []) + (trunk.foreign if trunk else [])
+        inputs = inputs_of(foreign) if foreign else None  # NOTE [ What a checkpointed region keeps ]
+        if inputs:  # in _checkpoint.py: their reason is listed last
+            order.remove(_FOREIGN_REASON)
+            order.append(_FOREIGN_REASON)
+        trunk_leaves = trunk.leaves() if trunk else {}
+        owned = _graph_owned([*kept_by.values(), by_node.values(), trunk_leaves.values(),
+                              [inputs or ()]])  # the branch's are released now
         handles = [h for live in by_node.values() for h in live]
-        trunk: dict[int, int] = {}  # the kept storages' bytes
+        helds = []  # the kept storages' bytes, by reason
         kept = []
-        for reason, nodes in kept_nodes.items():  # every reason, in the order the walk met it
-            held = storages(h for live in kept_by.get(reason, ()) for h in live
-                            if not h.leaf or id(h.tensor) in owned)
-            for key, entry in held.items():
-                trunk[key] = max(trunk.get(key, 0), entry[0])
-            unknown = reason in (_FOREIGN_REASON, _UNTRACKED_REASON)  # not graphprune's handles
-            nbytes = None if unknown else sum(entry[0] for entry in held.values())
-            kept.append(KeptReason(reason, len(nodes), nbytes, frozenset(map(id, nodes))))
+        for key in order:  # every reason, in the order the walk met it
+            nodes = kept_nodes.get(key, ())
+            live = [h for group in kept_by.get(key, ()) for h in group]
+            if trunk is not None:
+                live += trunk_leaves.get(key, ())
+            if key == _FOREIGN_REASON and inputs:
+                live += inputs
+            held = {k: entry[0] for k, entry in storages(
+                h for h in live if not h.leaf or id(h.tensor) in owned).items()}
+            count, ids = len(nodes), frozenset(map(id, nodes))
+            if trunk is not None and key in trunk.counts:
+                held = _most_of(trunk.storages[key], held)
+                count, ids = count + trunk.counts[key], ids | trunk.ids[key]
+            helds.append(held)
+            reason = key if type(key) is str else self._guard_reason(key)
+            if key == _FOREIGN_REASON and inputs:
+                reason += _CHECKPOINT_INPUTS
+            unknown = key in (_FOREIGN_REASON, _UNTRACKED_REASON) and not (key == _FOREIGN_REASON and inputs)
+            kept.append(KeptReason(reason, count, None if unknown else sum(held.values()), ids))
+        held_bytes = helds[0] if len(helds) == 1 else functools.reduce(_most_of, helds, {})
         branch = storages(handles)
-        self._trunk, self._branch = trunk, branch
+        self._trunk, self._branch = held_bytes, branch
         self._exclusive = exclusive_keys(branch)
-        if tracked:
-            kinds.add(TRACKED)
         released = collections.Counter(map(type, by_node))
         names = collections.Counter()
         for node in by_node:  # a name per node type: name() is a call into C++ and a string split
@@ -240,7 +222,7 @@ class Plan:
             released_nodes=dict(names),
             released_tensors=len(handles),
             bytes_freed=sum(branch[key][0] for key in self._exclusive),
-            bytes_kept=sum(trunk.values()),
+            bytes_kept=sum(held_bytes.values()),
             kept=tuple(kept),
             released_ids=frozenset(map(id, by_node)),
         )
@@ -366,6 +348,7 @@ class Plan:
             md = node.metadata
             md[RELEASED] = reason
             guard_released(node, md)
+        released(nodes)  # NOTE [ The trunk walked once ] in _trunk.py
 
     @walks
     def release(self, ran_only: bool = False) -> None:
@@ -409,6 +392,82 @@ class Plan:
                 if h.released:
                     h.released_by = reason
         self._mark_released(ran, reason)
+
+
+def _most_of(a: dict, b: dict) -> dict:
+    """``{storage: bytes}`` of both, the most bytes of either for a storage in both; a
+    new dict, but ``a`` itself where ``b`` is empty (neither is changed)."""
+    if not b:
+        return a
+    out = dict(a)
+    for key, nbytes in b.items():
+        if nbytes > out.get(key, 0):
+            out[key] = nbytes
+    return out
+
+
+class _Part:
+    """What one pass over nodes found: the branch's live handles by node, and the kept
+    nodes and their live handles by reason (a protected root's number, or the text of
+    a kind that graphprune does not hold)."""
+
+    __slots__ = ("by_node", "kept_nodes", "kept_by", "kinds")
+
+    def __init__(self) -> None:
+        self.by_node: dict = {}
+        self.kept_nodes: dict = collections.defaultdict(list)
+        self.kept_by: dict = collections.defaultdict(list)
+        self.kinds: set = set()
+
+
+def _classify(nodes, protected: dict) -> _Part:
+    """Sort ``nodes`` into the branch (a node no protected root reaches, whose tensors
+    graphprune holds) and the kept, by reason."""
+    part = _Part()
+    by_node, kept_nodes, kept_by, kinds = part.by_node, part.kept_nodes, part.kept_by, part.kinds
+    one_of = saves_one.get
+    tracked = False  # a node saved one of graphprune's handles, seen without kinds.add
+    for node in nodes:
+        node_type = type(node)
+        if node_type in saves_nothing:  # most nodes: nothing to measure, only counted if kept
+            if node in protected:
+                kept_nodes[protected[node]].append(node)
+            continue
+        attr, p = one_of(node_type), None
+        if attr is not None:  # saved()'s common case, inline: one tensor, in a handle
+            try:
+                value = getattr(node, attr)
+                if type(value) is _SavedTensor:
+                    p = value.data
+            except RuntimeError:  # freed by a pass that did not retain the graph
+                pass
+        if type(p) is SavedHandle:
+            live, kind = [p] if p.tensor is not None else NOTHING_SAVED, TRACKED
+            tracked = True
+        else:
+            handles, kind = saved(node)
+            if len(handles) == 1:
+                live = handles if handles[0].tensor is not None else NOTHING_SAVED
+            else:
+                live = [h for h in handles if h.tensor is not None]
+            if handles or kind is not TRACKED:  # a node that saved nothing: not where it was built
+                kinds.add(kind)
+        if kind is FOREIGN:
+            key = _FOREIGN_REASON
+        elif kind is UNTRACKED:
+            key = _UNTRACKED_REASON
+        elif node in protected:
+            key = protected[node]
+        else:
+            if live:
+                by_node[node] = live
+            continue
+        if live:
+            kept_by[key].append(live)
+        kept_nodes[key].append(node)
+    if tracked:
+        kinds.add(TRACKED)
+    return part
 
 
 def _supports(starts) -> dict:

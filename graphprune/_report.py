@@ -68,13 +68,13 @@ def exclusive_keys(by_storage: dict[int, list]) -> list[int]:
             if refcount(h.tensor) > 2:  # the handle, getrefcount's argument
                 continue
             if key >= 0:  # a negative key: no storage address
-                extra = uses(key) - 1
-                if extra == 1:  # the storage's Python object, or one other use
-                    extra = _other_uses(h.tensor, key, 1)
+                extra = uses(key) - 1 - h.view  # storages() made a view's storage object
+                if extra == 1 and not h.view:  # the storage's Python object, or one other use
+                    extra = _other_uses(h.tensor, key, 1, False)
                 if extra > 0:
                     continue
             keys.append(key)
-        elif not held_elsewhere(entry[1:], key):
+        elif not held_elsewhere(entry[1:], key, made=True):
             keys.append(key)
     return keys
 
@@ -85,11 +85,12 @@ def exclusive_bytes(by_storage: dict[int, list]) -> int:
     return sum(by_storage[key][0] for key in exclusive_keys(by_storage))
 
 
-def held_elsewhere(group: list[SavedHandle], address: int | None = None) -> bool:
+def held_elsewhere(group: list[SavedHandle], address: int | None = None, made: bool = False) -> bool:
     """Whether anything but ``group`` uses the storage its handles share (at
     ``address``, found if ``None``): another reference to a tensor a handle holds as
     it is (a leaf: a parameter, an input), or another tensor on the storage (the
-    output a handle's detached alias came from)."""
+    output a handle's detached alias came from). ``made``: :func:`storages` grouped
+    them, so a view among them made the storage's Python object."""
     if len(group) == 1:  # the common case, without the dict
         h = group[0]
         if sys.getrefcount(h.tensor) > 2:  # the handle, getrefcount's argument
@@ -109,18 +110,19 @@ def held_elsewhere(group: list[SavedHandle], address: int | None = None) -> bool
         return False
     if address < 0:  # storage_of's key of a tensor without a storage address
         return False
-    return _other_uses(group[0].tensor, address, distinct) > 0
+    return _other_uses(group[0].tensor, address, distinct, made and any(h.view for h in group)) > 0
 
 
-def _other_uses(t: torch.Tensor, address: int, distinct: int) -> int:
+def _other_uses(t: torch.Tensor, address: int, distinct: int, made: bool) -> int:
     """Uses of the storage at ``address`` (behind ``t``) besides ``distinct`` tensors
-    of one group. The storage's Python object, once made (by :func:`storages` for a
-    view, an earlier prune, the user's ``untyped_storage()``), counts one use for as
-    long as the storage lives; so a count one over is read again with the object
-    surely made (``untyped_storage()`` returns it, or makes it)."""
+    of one group. The storage's Python object, once made (``made``: by
+    :func:`storages`, for a view; or by an earlier prune, the user's
+    ``untyped_storage()``), counts one use for as long as the storage lives; so a
+    count one over is read again with the object surely made (``untyped_storage()``
+    returns it, or makes it)."""
     uses = torch._C._storage_Use_Count
-    extra = uses(address) - distinct
-    if extra == 1:
+    extra = uses(address) - distinct - made
+    if extra == 1 and not made:
         t.untyped_storage()
         extra = uses(address) - distinct - 1
     return extra

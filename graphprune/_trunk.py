@@ -1,0 +1,191 @@
+"""The trunk a prune keeps, walked once: within a prune, and across the prunes of the
+heads built on it.
+
+NOTE [ The trunk walked once ]
+``keep=x`` protects ``x``'s graph, the trunk, which the walk from ``y`` also runs
+through: walked twice per prune, and again at the next head's prune. So the trunk is
+walked first (the protected walk), and the walk from ``y`` stops where it meets it.
+What the walk from ``y`` would have found is then exactly the two walks together when
+``x``'s node is among the nodes it met, with the support the trunk's walk started
+from (``x`` a slice of a ``stack``: the part it covers), every other trunk node it met
+with no more support than the trunk's walk gave it, and the trunk's walk stopped at
+no released node (a walk from ``y`` goes on through one). Otherwise the whole walk
+from ``y`` runs, as it does for several protected roots (``keep=None``'s pending
+losses, a list).
+
+The trunk's walk is left in ``x``'s node's metadata for the next prune with the same
+``keep=x``: the nodes below ``x``'s node (never that node itself: its metadata holding
+its own wrapper would be a reference cycle through C++) and the routing supports the
+walk found. The edges below a node never change, and prunes only ever add released
+marks, so it stays exact while no node of it has been released since (each release
+tells the walks left, ``released``); a walk of ``DEEP`` nodes or more is not left (its
+nodes already hold their children's wrappers, NOTE [ Deep graphs and Python wrappers ]
+in ``_graph.py``).
+
+What the trunk keeps (its nodes and bytes by reason, for the report) is measured by
+the first two prunes and left with the walk by the second: a graph pruned once (two
+heads, a model with one extra loss) does not pay for weak references that only a
+third prune reads. It holds the handles weakly: a pass that did not retain the graph
+frees some with no mark, and the next prune measures again.
+"""
+
+from __future__ import annotations
+
+import weakref
+
+from ._graph import DEEP, LOCK, reach
+from ._routing import widen
+
+__all__ = ["walk_trunk_once", "released"]
+
+_TRUNK = "graphprune.trunk"  # node.metadata key: the protected walk below this node
+
+
+class _Walked:
+    """A protected walk, kept on its root's metadata (without the root), and what its
+    nodes keep, once a second prune has measured it."""
+
+    __slots__ = ("start", "below", "supports", "own_support", "stale", "kept", "measures", "__weakref__")
+
+    def __init__(self, root, start, protected: dict, supports: dict) -> None:
+        self.start = start  # the output number the walk started on, or None: every output
+        self.below = {node: 0 for node in protected if node is not root}
+        self.supports = {node: dict(s) for node, s in supports.items() if node is not root}
+        own = supports.get(root)
+        self.own_support = None if own is None else dict(own)  # no node in it
+        self.stale = False  # a node of it was released since it ran (``released``)
+        self.kept: _Kept | None = None
+        self.measures = 0
+        with LOCK:
+            _walks.add(self)
+
+    def measured(self, classify) -> _Kept:
+        """What the nodes below the root keep, by reason: measured again only where a
+        handle it counted has gone since (released, or freed by a pass that did not
+        retain the graph). The first measure is not kept: a graph pruned once (one
+        head, or a model with one loss) does not pay for what only a second prune
+        reads. ``classify`` is ``_plan._classify`` with the protected nodes."""
+        kept = self.kept
+        if kept is None or not kept.valid():
+            self.measures += 1
+            kept = _Kept(classify(list(self.below)), held=self.measures > 1)
+            if kept.held:
+                self.kept = kept
+        return kept
+
+    def walk(self, root) -> tuple[dict, dict]:
+        supports = {node: dict(s) for node, s in self.supports.items()}
+        if self.own_support is not None:
+            supports[root] = dict(self.own_support)
+        return {root: 0, **self.below}, supports
+
+
+class _Kept:
+    """The kept part of a ``_plan._Part`` of nodes below a root: counts and node ids by
+    reason, the bytes of the storages behind its handles that are no parameter or input
+    (stable while the handles live), the handles that are (whether the graph alone
+    holds one is read again each time). ``held`` (kept for later prunes): those
+    handles weakly, and a weak reference to every handle, to tell that none has gone."""
+
+    __slots__ = ("counts", "ids", "storages", "held", "_leaves", "_refs", "_gone", "kinds", "foreign")
+
+    def __init__(self, part, held: bool) -> None:
+        from ._plan import _FOREIGN_REASON
+        from ._report import storages
+
+        self.counts = {key: len(nodes) for key, nodes in part.kept_nodes.items()}
+        self.ids = {key: frozenset(map(id, nodes)) for key, nodes in part.kept_nodes.items()}
+        self.storages, self._leaves, self._refs, self.held = {}, {}, [], held
+        gone = self._gone = [False]  # a handle died: a closure, no cycle through self
+
+        def died(_ref, gone=gone):
+            gone[0] = True
+
+        for key in part.kept_nodes:
+            live = [h for group in part.kept_by.get(key, ()) for h in group]
+            self.storages[key] = {k: entry[0] for k, entry in storages(h for h in live if not h.leaf).items()}
+            leaves = [h for h in live if h.leaf]
+            if held:
+                self._leaves[key] = [weakref.ref(h) for h in leaves]
+                self._refs += (weakref.ref(h, died) for h in live)
+            else:  # read once, by this prune
+                self._leaves[key] = leaves
+        self.kinds = set(part.kinds)
+        self.foreign = part.kept_nodes.get(_FOREIGN_REASON, [])
+
+    def valid(self) -> bool:
+        """Whether every handle it counted is still there: none died (a pass that did
+        not retain the graph freed it). One released is a node marked released, which
+        made the walk stale (``released``), and this with it."""
+        return not self._gone[0]
+
+    def leaves(self) -> dict:
+        """``{reason: [handle, ...]}`` of the parameters, inputs and masks it holds."""
+        if not self.held:
+            return {key: leaves for key, leaves in self._leaves.items() if leaves}
+        return {key: [ref() for ref in refs] for key, refs in self._leaves.items() if refs}
+
+
+_walks: weakref.WeakSet = weakref.WeakSet()  # the walks left on nodes, while those nodes live
+
+
+def released(nodes) -> None:
+    """``nodes`` were just marked released: the walks left that hold one are stale."""
+    with LOCK:
+        for walk in list(_walks):
+            if not walk.stale and any(node in walk.below for node in nodes):
+                walk.stale = True
+
+
+def _trunk_walk(fn, nr, start_supports: dict) -> tuple[dict, dict, _Walked | None]:
+    """``(protected, supports, walk)`` of the walk from ``fn`` that stops at released
+    nodes, from the walk left on ``fn`` where it is still exact; ``walk`` is ``None``
+    where it stopped at a released node."""
+    with LOCK:
+        left = fn.metadata.get(_TRUNK)
+        if left is not None and left.start == nr and not left.stale:
+            return (*left.walk(fn), left)
+        skipped: list = []
+        protected = reach([fn], through_released=False, supports=start_supports, skipped=skipped)
+        if skipped:
+            return protected, start_supports, None
+        walked = _Walked(fn, nr, protected, start_supports)
+        if len(protected) < DEEP:
+            fn.metadata[_TRUNK] = walked
+        return protected, start_supports, walked
+
+
+def walk_trunk_once(tops: list, root: tuple, start_supports: dict, y_supports: dict) -> tuple:
+    """``(reach, protected, walk, head)`` of a prune from ``tops`` (``(node, output
+    number)``) whose one protected root is ``root`` (``(node, output number or None,
+    text)``), its walk starting with ``start_supports``; ``(None, protected, None,
+    None)`` where the walk from ``tops`` needs the whole graph after all. ``walk``
+    measures the trunk below the root; ``head`` is the rest, the root among it.
+    ``y_supports`` is filled as the walk from ``tops`` fills it (NOTE [ The trunk
+    walked once ])."""
+    fn, nr, _ = root
+    protected, trunk_supports, walk = _trunk_walk(fn, nr, start_supports)
+    if walk is None:
+        return None, protected, None, None
+    supports = {node: dict(s) for node, s in y_supports.items()}
+    walked = reach([f for f, _ in tops], supports=supports, stop=protected)
+    if fn not in walked:
+        return None, protected, None, None
+    for node, support in supports.items():
+        if node in protected and not _within(support, trunk_supports.get(node), exactly=node is fn):
+            return None, protected, None, None
+    head = [node for node in walked if node not in protected or node is fn]
+    walked.update(protected)  # the labels of a reach are not read: its nodes, in order
+    y_supports.update(supports)
+    y_supports.update(trunk_supports)
+    return walked, protected, walk, head
+
+
+def _within(support: dict, trunk: dict | None, exactly: bool) -> bool:
+    """Whether a routing node's ``support`` from the walk from ``y`` is no more than the
+    trunk's walk gave it (``exactly``: the same)."""
+    if trunk is None:
+        return False
+    if exactly:
+        return support == trunk
+    return not any(widen(dict(trunk), nr, s) for nr, s in support.items())

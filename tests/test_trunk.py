@@ -1,0 +1,326 @@
+"""NOTE [ The trunk walked once ] (``_trunk.py``): a prune with one ``keep=`` root walks
+the trunk once, and the next head's prune does not walk it again; what it releases,
+reports and leaves differentiable is exactly what the walk of the whole graph gives."""
+
+import gc
+import weakref
+
+import pytest
+import torch
+import torch.nn as nn
+from torch.testing import assert_close
+from torch.utils.checkpoint import checkpoint
+
+import graphprune as gp
+from graphprune import _graph, _plan, _trunk
+
+
+def _summary(report):
+    kept = tuple((k.reason, k.nodes, k.saved_bytes) for k in report.kept)
+    return (report.released_nodes, report.released_tensors, report.bytes_freed, report.bytes_kept, kept)
+
+
+@pytest.fixture
+def whole_walk(monkeypatch):
+    """Prunes walk the whole graph from ``y``, and the trunk again, as before the trunk was
+    walked once."""
+    def disabled():
+        monkeypatch.setattr(_plan, "walk_trunk_once", lambda *args: (None, None, None, None))
+    return disabled
+
+
+def _trunk_heads(w, k, skip=False):
+    """A trunk, ``x``, and ``k`` heads on it (``skip``: each head also reads an early
+    trunk feature)."""
+    h = (w * 1.5).tanh()
+    x = (h @ w.T).sin()
+    heads = [((x * (i + 1)).exp() + (h.cos() if skip else 0)).sum() for i in range(k)]
+    return x, heads
+
+
+def _lazy(w, keep_of, skip=False, k=5):
+    """The seed pattern: one backward and one prune per head; the reports and ``w.grad``."""
+    with gp.track():
+        x, heads = _trunk_heads(w, k, skip)
+    reports = []
+    for i, loss in enumerate(heads):
+        if i < k - 1:
+            loss.backward(retain_graph=True)
+            reports.append(_summary(gp.prune_after(loss, keep=keep_of(x, heads, i))))
+        else:
+            loss.backward()
+    return reports, w.grad
+
+
+def _plain_grad(w0, skip=False, k=5):
+    w = w0.clone().requires_grad_()
+    _, heads = _trunk_heads(w, k, skip)
+    sum(heads).backward()
+    return w.grad
+
+
+KEEPS = {
+    "x": lambda x, heads, i: x,
+    "[x]": lambda x, heads, i: [x],
+    "x.grad_fn": lambda x, heads, i: x.grad_fn,
+    "the next head": lambda x, heads, i: heads[i + 1],
+}
+
+
+@pytest.mark.parametrize("skip", [False, True], ids=["heads_on_x", "heads_on_x_and_an_early_feature"])
+@pytest.mark.parametrize("keep", sorted(KEEPS))
+def test_lazy_heads_release_and_report_what_the_whole_walk_gives(keep, skip, whole_walk):
+    w0 = torch.randn(6, 6, dtype=torch.float64)
+    w = w0.clone().requires_grad_()
+    fast, fast_grad = _lazy(w, KEEPS[keep], skip)
+    whole_walk()
+    w = w0.clone().requires_grad_()
+    slow, slow_grad = _lazy(w, KEEPS[keep], skip)
+    assert fast == slow
+    assert all(r[1] >= 1 for r in fast)
+    assert_close(fast_grad, _plain_grad(w0, skip))
+    assert_close(slow_grad, fast_grad)
+
+
+def _scenario_stack_slice(w):
+    """``x`` a slice of a stack: the walk from ``y`` reaches the stack with part of it."""
+    with gp.track():
+        s = torch.stack([w.exp(), w.sin()])
+        x = s[0]
+        y1 = (s[1] * 2).cos().sum()
+        y2 = x.tanh().sum()
+    y1.backward(retain_graph=True)
+    report = gp.prune_after(y1, keep=x)
+    y2.backward()
+    return [_summary(report)]
+
+
+def _scenario_released_inside_the_trunk(w):
+    """A prune that kept nothing released part of ``x``'s graph; a later prune with
+    ``keep=x`` (its trunk walked and left before) meets the released nodes."""
+    with gp.track():
+        a = w.exp()
+        b = w.sin()
+        x = a * b
+        y0 = (x * 3).sum()
+        y1 = (x * x).sum()
+        y2 = a.square().sum()
+    y0.backward(retain_graph=True)
+    first = gp.prune_after(y0, keep=x)  # leaves x's walk on its node
+    y2.backward(retain_graph=True)
+    second = gp.prune_after(y2, keep=y0)  # releases a's node, which x's graph holds
+    y1.backward(retain_graph=True)
+    third = gp.prune_after(y1, keep=x)
+    return [_summary(r) for r in (first, second, third)]
+
+
+def _scenario_keep_outside_y(w):
+    with gp.track():
+        x = w.exp()
+        other = w.cos() * 2
+        y1 = (x * other).sum()
+    y1.backward(retain_graph=True)
+    return [_summary(gp.prune_after(y1, keep=other))]
+
+
+def _scenario_checkpointed_trunk(w):
+    with gp.track():
+        x = checkpoint(lambda t: (t * 2).sin().exp(), w, use_reentrant=False)
+        y1 = (x * x).sum()
+        y2 = x.cos().sum()
+    y1.backward(retain_graph=True)
+    report = gp.prune_after(y1, keep=x)
+    y2.backward()
+    return [_summary(report)]
+
+
+def _scenario_module_trunk(w):
+    torch.manual_seed(0)
+    trunk = nn.Sequential(nn.Linear(6, 8), nn.ReLU(), nn.Dropout(0.5), nn.Linear(8, 8), nn.LayerNorm(8))
+    heads = [nn.Linear(8, 1) for _ in range(3)]
+    reports = []
+    with gp.track():
+        x = trunk(w)
+    for i, head in enumerate(heads):
+        with gp.track():
+            loss = head(x).square().mean()
+        loss.backward(retain_graph=i < 2)
+        if i < 2:
+            reports.append(_summary(gp.prune_after(loss, keep=x)))
+    return reports + [tuple(p.grad.sum().item() for p in trunk.parameters())]
+
+
+def _scenario_trunk_walk_stops_at_a_released_node(w):
+    """``x``'s graph lost a node to an earlier prune: the walk from ``y`` goes on
+    through it, to a node that only the pending loss the earlier prune kept holds."""
+    with gp.track():
+        a = w.exp()
+        c = a.sin()
+        x = c * 2
+        lc = c.sum()
+        other = a.cos().sum()
+    lc.backward(retain_graph=True)
+    first = gp.prune_after(lc)  # releases c's node; other keeps a's
+    with gp.track():
+        y1 = (x * x).sum()
+    report = gp.explain(y1, keep=x)
+    other.backward()  # a's node was kept for it
+    return [_summary(first), _summary(report)]
+
+
+def _scenario_y_reaches_the_trunk_with_more_than_x_covers(w):
+    """``x`` is built on part of a stack, ``y`` on all of it: the walk from ``y`` goes on
+    from the stack into what ``x``'s graph does not hold."""
+    with gp.track():
+        s = torch.stack([w.exp(), w.sin()])
+        x = s[0] * 1.5
+        y = s.sum() + (x * x).sum()
+    y.backward(retain_graph=True)
+    return [_summary(gp.prune_after(y, keep=x))]
+
+
+def _scenario_a_walk_left_on_x_then_a_prune_releases_part_of_it(w):
+    with gp.track():
+        a = w.exp()
+        c = a.sin()
+        x = c * 2
+        other = a.cos().sum()
+        y0 = (x * 3).sum()
+    y0.backward(retain_graph=True)
+    first = gp.prune_after(y0, keep=x)  # leaves x's walk on its node
+    with gp.track():
+        lc = c.sum()
+    lc.backward(retain_graph=True)
+    second = gp.prune_after(lc, keep=other)  # releases c's node, in x's graph
+    with gp.track():
+        y1 = (x * x).sum()
+    return [_summary(first), _summary(second), _summary(gp.explain(y1, keep=x))]
+
+
+def _scenario_y_reaches_x_with_less_than_x(w):
+    """``x`` is a stack and ``y`` is built on one of its rows: ``x``'s graph holds more
+    than the walk from ``y`` reaches."""
+    with gp.track():
+        x = torch.stack([w.exp(), w.sin()])
+        y = (x[0] * 2).sum()
+    y.backward(retain_graph=True)
+    return [_summary(gp.explain(y, keep=x)), _summary(gp.prune_after(y, keep=x))]
+
+
+def _scenario_a_plain_pass_frees_part_of_a_measured_trunk(w):
+    """The trunk was measured at the first head's prune; a pass that did not retain the
+    graph then freed part of it, with no mark: the next prune's numbers say so."""
+    with gp.track():
+        h = w.exp()  # its node saves h; nothing else in the trunk does
+        x = h * 3.0
+        y1 = (x * 2).sum()
+        y2 = (x * 4).sum()
+        y3 = x.tanh().sum()
+    reports = []
+    for y in (y1, y2):  # the second prune keeps the trunk's measure
+        y.backward(retain_graph=True)
+        reports.append(_summary(gp.prune_after(y, keep=x)))
+    h.sum().backward()  # frees what h's graph saved
+    return reports + [_summary(gp.explain(y3, keep=x))]
+
+
+SCENARIOS = {
+    "a plain pass frees part of a measured trunk": _scenario_a_plain_pass_frees_part_of_a_measured_trunk,
+    "y reaches x with less than x": _scenario_y_reaches_x_with_less_than_x,
+    "the trunk's walk stops at a released node": _scenario_trunk_walk_stops_at_a_released_node,
+    "y reaches the trunk with more than x covers": _scenario_y_reaches_the_trunk_with_more_than_x_covers,
+    "a walk left on x, then part of it released": _scenario_a_walk_left_on_x_then_a_prune_releases_part_of_it,
+    "x a slice of a stack": _scenario_stack_slice,
+    "x's graph released in part": _scenario_released_inside_the_trunk,
+    "keep outside y's graph": _scenario_keep_outside_y,
+    "checkpointed trunk": _scenario_checkpointed_trunk,
+    "module trunk with dropout": _scenario_module_trunk,
+}
+
+
+@pytest.mark.parametrize("name", sorted(SCENARIOS))
+def test_prunes_give_what_the_whole_walk_gives(name, whole_walk):
+    w0 = torch.randn(4, 6)
+    torch.manual_seed(1)
+    fast = SCENARIOS[name](w0.clone().requires_grad_())
+    whole_walk()
+    torch.manual_seed(1)
+    slow = SCENARIOS[name](w0.clone().requires_grad_())
+    assert fast == slow
+
+
+def test_the_next_heads_prune_does_not_walk_the_trunk_again(monkeypatch):
+    """The first prune walks the trunk; every later one walks only its head. The trunk's
+    saved tensors are read at the first two prunes (the first keeps no measure: a graph
+    pruned once would pay for it for nothing) and not after."""
+    walked, read = [], []
+
+    def counting_reach(*args, **kwargs):
+        out = _graph.reach(*args, **kwargs)
+        walked.append(len(out) if kwargs.get("stop") is None else sum(n not in kwargs["stop"] for n in out))
+        return out
+
+    def counting_classify(nodes, protected):
+        nodes = list(nodes)
+        read.append(len(nodes))
+        return classify(nodes, protected)
+
+    classify = _plan._classify
+    monkeypatch.setattr(_trunk, "reach", counting_reach)
+    monkeypatch.setattr(_plan, "reach", counting_reach)
+    monkeypatch.setattr(_plan, "_classify", counting_classify)
+    w = torch.randn(8, requires_grad=True)
+    with gp.track():
+        h = w
+        for _ in range(300):
+            h = h.sin()
+        x = h
+        heads = [(x * (i + 1)).exp().sum() for i in range(HEADS)]
+    per_prune = []
+    for loss in heads[:-1]:
+        loss.backward(retain_graph=True)
+        walked.clear()
+        read.clear()
+        gp.prune_after(loss, keep=x)
+        per_prune.append((sum(walked), sum(read)))
+    trunk, head = 300, 10  # a head: SumBackward0, ExpBackward0, MulBackward0, and x's node
+    assert per_prune[0][0] >= trunk and per_prune[0][1] >= trunk
+    assert per_prune[1][0] <= head and per_prune[1][1] >= trunk
+    assert all(w <= head and r <= head for w, r in per_prune[2:]), per_prune
+    heads[-1].backward()
+    w_plain = w.detach().clone().requires_grad_()
+    assert_close(w.grad, torch.autograd.grad(_sum_of_heads(w_plain), w_plain)[0])
+
+
+HEADS = 5
+
+
+def _sum_of_heads(w):
+    h = w
+    for _ in range(300):
+        h = h.sin()
+    return sum((h * (i + 1)).exp().sum() for i in range(HEADS))
+
+
+def test_the_walk_left_on_a_node_holds_no_reference_to_that_node():
+    """A node's metadata holding its own wrapper is a cycle through C++ that no
+    collector sees: the node would never be freed."""
+    w = torch.randn(8, requires_grad=True)
+    with gp.track():
+        x = w.exp().sin()
+        y1 = (x * 2).sum()
+        y2 = x.cos().sum()
+    y1.backward(retain_graph=True)
+    gp.prune_after(y1, keep=x)
+    assert _trunk._TRUNK in x.grad_fn.metadata
+    marker = _Marker()
+    x.grad_fn.metadata["test.marker"] = marker
+    freed = weakref.ref(marker)
+    y2.backward()
+    del x, y1, y2, marker
+    gc.collect()
+    assert freed() is None, "x's node outlived every reference to it"
+
+
+class _Marker:
+    pass
