@@ -1,6 +1,6 @@
 """What tracking costs: time per torch call, step time, prune time, bytes per node.
 
-Three jobs (``kind="overhead"``, ``part=...``), each in its own fresh process, torch on
+Four jobs (``kind="overhead"``, ``part=...``), each in its own fresh process, torch on
 one thread, every comparison plain vs ``graphprune.track()`` in that one process:
 
 * ``chain``       -- a chain of ``n`` ``h = torch.mul(h, c)`` on 16 floats (``c`` a
@@ -20,6 +20,9 @@ one thread, every comparison plain vs ``graphprune.track()`` in that one process
 * ``memory``      -- a chain of ``n`` muls under ``tracemalloc``: traced Python memory
   held after a tracked forward minus after an identical plain one, per node.  Only
   Python allocations are traced; the tensors are the same in both and cancel out.
+* ``heads``       -- a trunk of ``sin`` on 64 floats and heads built on it one by one,
+  each backpropagated and pruned with ``keep=x``: what each prune costs (the first
+  walks the trunk, later ones their head: ``run_heads``).  No target.
 
 The counts (torch calls a ``TorchFunctionMode`` sees, autograd nodes, saved tensors)
 come from an extra untimed plain forward.  The prune_after / explain cost per node
@@ -44,7 +47,7 @@ import graphprune as gp
 
 from .scaling import floor_walk
 
-PARTS = ("chain", "transformer", "memory")
+PARTS = ("chain", "transformer", "memory", "heads")
 # the targets (reported, never asserted)
 CALL_US, STEADY_US = 4.0, 5.0  # µs per torch call over plain: one forward, steady state
 FWD_X, STEP_X, PRUNE_SHARE = 1.15, 1.05, 0.04  # transformer: forward, step, prune / backward
@@ -53,11 +56,11 @@ SCALING_US = {1000: 4.0, 10000: 4.0, 100000: 8.0}  # prune_after / explain µs p
 
 SIZES = {
     "full": dict(chain=20000, chain_rounds=9, d=128, heads=4, ff=256, batch=8, seq=64,
-                 steps=300, budget_s=40.0, memory=100000),
+                 steps=300, budget_s=40.0, memory=100000, trunk=10000, trunk_heads=8, head_rounds=5),
     "quick": dict(chain=10000, chain_rounds=3, d=128, heads=4, ff=256, batch=8, seq=64,
-                  steps=60, budget_s=6.0, memory=20000),
+                  steps=60, budget_s=6.0, memory=20000, trunk=4000, trunk_heads=8, head_rounds=2),
     "tiny": dict(chain=300, chain_rounds=1, d=32, heads=4, ff=64, batch=2, seq=8,
-                 steps=3, budget_s=1.0, memory=2000),
+                 steps=3, budget_s=1.0, memory=2000, trunk=300, trunk_heads=4, head_rounds=1),
 }
 
 
@@ -70,7 +73,8 @@ def run_overhead(job: dict) -> dict:
     torch.set_num_threads(1)  # the issue's setting, whatever --threads says
     torch.manual_seed(0)
     size = SIZES[job["level"]]
-    run = {"chain": run_chain, "transformer": run_transformer, "memory": run_memory}[job["part"]]
+    run = {"chain": run_chain, "transformer": run_transformer, "memory": run_memory,
+           "heads": run_heads}[job["part"]]
     t0 = time.perf_counter()
     out = run(size)
     return dict(job=job, ok=True, gp_file=gp.__file__, elapsed_s=time.perf_counter() - t0, **out)
@@ -310,6 +314,55 @@ def _traced(forward):
     return tracemalloc.get_traced_memory()[0] - before, y
 
 
+def run_heads(size) -> dict:
+    """The seed pattern on a long trunk: ``trunk_heads`` heads built one by one on ``x``, each
+    backpropagated and pruned with ``keep=x``; the time of each prune, per head, median
+    over rounds. The first prune walks the trunk; later ones walk their head only
+    (NOTE [ The trunk walked once ] in ``graphprune/_trunk.py``)."""
+    n, k = size["trunk"], size["trunk_heads"]
+    w = torch.randn(64, requires_grad=True)
+    per_head = [[] for _ in range(k - 1)]
+    for _ in range(size["head_rounds"] + 1):  # the first round warms up
+        with gp.track():
+            h = w
+            for _ in range(n):
+                h = h.sin()
+            x = h
+        times = []
+        for i in range(k):
+            with gp.track():
+                loss = (x * (i + 1)).exp().sum()
+            if i == k - 1:
+                loss.backward()
+                break
+            loss.backward(retain_graph=True)
+            t0 = time.perf_counter()
+            gp.prune_after(loss, keep=x)
+            times.append(time.perf_counter() - t0)
+        del x, h, loss
+        gc.collect()
+        w.grad = None
+        for i, t in enumerate(times):
+            per_head[i].append(t)
+    med = [statistics.median(t) for t in per_head]
+    return dict(trunk=n, heads=k, rounds=size["head_rounds"], prune_s=med[0] if med else 0.0,
+                per_head_s=med)
+
+
+def _heads_rows(r) -> list[dict]:
+    per = r["per_head_s"]
+    if len(per) < 3:
+        return []
+    later = statistics.median(per[2:])
+    return [_row(
+        f"`prune_after(loss_k, keep=x)` per head, {r['heads']} heads built one by one on a "
+        f"{r['trunk']}-node trunk (no target): the first prune walks the trunk, the second "
+        "measures it again, later ones read their head only", "—",
+        f"first {per[0] * 1e3:.2f} ms, second {per[1] * 1e3:.2f} ms, later {later * 1e3:.3f} ms",
+        f"later / first {later / per[0]:.3f}", "—", None, f"overhead/heads ({r['trunk']}-node trunk)",
+        "prune_after")]
+
+
 def run_memory(size) -> dict:
     n = size["memory"]
     w, c = torch.randn(16, requires_grad=True), torch.ones(16)
@@ -416,7 +469,8 @@ def _scaling_rows(scaling) -> list[dict]:
 
 def rows(overhead: dict, scaling: list) -> list[dict]:
     """Table rows from the overhead jobs' results (``part -> result``) and the scaling rows."""
-    make = {"chain": _chain_rows, "transformer": _transformer_rows, "memory": _memory_rows}
+    make = {"chain": _chain_rows, "transformer": _transformer_rows, "memory": _memory_rows,
+            "heads": _heads_rows}
     out = [r for part in PARTS if part in overhead for r in make[part](overhead[part])]
     return out + _scaling_rows(scaling)
 

@@ -18,9 +18,10 @@ The trunk's walk is left in ``x``'s node's metadata for the next prune with the 
 its own wrapper would be a reference cycle through C++) and the routing supports the
 walk found. The edges below a node never change, and prunes only ever add released
 marks, so it stays exact while no node of it has been released since (each release
-tells the walks left, ``released``); a walk of ``DEEP`` nodes or more is not left (its
-nodes already hold their children's wrappers, NOTE [ Deep graphs and Python wrappers ]
-in ``_graph.py``).
+tells the walks left, ``released``). A walk of more than ``LEAVE_AT_MOST`` nodes is not
+left: what it holds (~150 B a node, with the measure below) stays bounded. Holding the
+wrappers changes no teardown: the root's node dies first, with its metadata, and a
+200k-node chain tore down safely with its walk left (``tests/test_depth.py``).
 
 What the trunk keeps (its nodes and bytes by reason, for the report) is measured by
 the first two prunes and left with the walk by the second: a graph pruned once (two
@@ -33,12 +34,13 @@ from __future__ import annotations
 
 import weakref
 
-from ._graph import DEEP, LOCK, reach
+from ._graph import LOCK, reach
 from ._routing import widen
 
 __all__ = ["walk_trunk_once", "released"]
 
 _TRUNK = "graphprune.trunk"  # node.metadata key: the protected walk below this node
+LEAVE_AT_MOST = 1 << 16  # nodes of a walk left for later prunes
 
 
 class _Walked:
@@ -150,7 +152,7 @@ def _trunk_walk(fn, nr, start_supports: dict) -> tuple[dict, dict, _Walked | Non
         if skipped:
             return protected, start_supports, None
         walked = _Walked(fn, nr, protected, start_supports)
-        if len(protected) < DEEP:
+        if len(protected) <= LEAVE_AT_MOST:
             fn.metadata[_TRUNK] = walked
         return protected, start_supports, walked
 

@@ -76,6 +76,7 @@ def test_every_strategy_has_a_row_in_every_table(suite):
     floors = [line for line in overhead.splitlines() if "the floor on this machine" in line]
     assert any("pack hook that detaches, one forward" in f for f in floors), "no chain floor row"
     assert any("that walk / the `l1` backward" in f for f in floors), "no transformer floor row"
+    assert "per head, 4 heads built one by one" in overhead
 
 
 def test_json_has_a_measurement_per_job(suite):
@@ -93,7 +94,7 @@ def test_json_has_a_measurement_per_job(suite):
     shapes = {r["job"]["shape"] for r in data["results"] if r["job"]["kind"] == "scaling"}
     assert shapes == {"chain", "fanout", "transformer"}
     parts = {r["job"]["part"]: r for r in data["results"] if r["job"]["kind"] == "overhead"}
-    assert set(parts) == {"chain", "transformer", "memory"}
+    assert set(parts) == {"chain", "transformer", "memory", "heads"}
     assert all(r["ok"] for r in parts.values()), [r.get("error") for r in parts.values()]
 
 

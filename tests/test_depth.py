@@ -35,6 +35,36 @@ print(json.dumps(dict(explained=explained.released_node_count, pruned=report.rel
     assert out["grad"][0] > 0
 
 
+def test_a_deep_trunk_with_its_walk_left_by_prunes_tears_down():
+    """NOTE [ The trunk walked once ]: prunes with keep=trunk leave the trunk's walk
+    (every wrapper below its root) and its measure on the root's metadata."""
+    out = run_script(
+        """
+import json, torch, graphprune as gp
+from graphprune import _trunk
+w = torch.ones(3, requires_grad=True)
+with gp.track():
+    x = w * 1.0
+    for _ in range(_trunk.LEAVE_AT_MOST - 8):
+        x = x * 1.0001
+    trunk = x
+    heads = [(trunk * (i + 1)).sin().sum() for i in range(4)]
+released = []
+for loss in heads[:-1]:
+    loss.backward(retain_graph=True)
+    released.append(gp.prune_after(loss, keep=trunk).released_node_count)
+left = _trunk._TRUNK in trunk.grad_fn.metadata
+heads[-1].backward()
+del x, trunk, heads, loss
+print(json.dumps(dict(left=left, released=released, grad=w.grad.tolist())))
+""",
+        timeout=600,
+    )
+    assert out["left"]
+    assert out["released"] == [1, 1, 1]  # each head's SinBackward0 (its sum and scalar mul save nothing)
+    assert out["grad"][0] > 0
+
+
 def test_deep_chain_through_scripted_functions_tears_down():
     # the recorder reads grad_fn of the scripted function's outputs, which it never saw made
     out = run_script(
