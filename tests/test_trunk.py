@@ -82,6 +82,13 @@ def test_lazy_heads_release_and_report_what_the_whole_walk_gives(keep, skip, who
     assert_close(slow_grad, fast_grad)
 
 
+def _prune_the_first_of_two(x, y1, y2):
+    y1.backward(retain_graph=True)
+    report = gp.prune_after(y1, keep=x)
+    y2.backward()
+    return [_summary(report)]
+
+
 def _scenario_stack_slice(w):
     """``x`` a slice of a stack: the walk from ``y`` reaches the stack with part of it."""
     with gp.track():
@@ -89,29 +96,7 @@ def _scenario_stack_slice(w):
         x = s[0]
         y1 = (s[1] * 2).cos().sum()
         y2 = x.tanh().sum()
-    y1.backward(retain_graph=True)
-    report = gp.prune_after(y1, keep=x)
-    y2.backward()
-    return [_summary(report)]
-
-
-def _scenario_released_inside_the_trunk(w):
-    """A prune that kept nothing released part of ``x``'s graph; a later prune with
-    ``keep=x`` (its trunk walked and left before) meets the released nodes."""
-    with gp.track():
-        a = w.exp()
-        b = w.sin()
-        x = a * b
-        y0 = (x * 3).sum()
-        y1 = (x * x).sum()
-        y2 = a.square().sum()
-    y0.backward(retain_graph=True)
-    first = gp.prune_after(y0, keep=x)  # leaves x's walk on its node
-    y2.backward(retain_graph=True)
-    second = gp.prune_after(y2, keep=y0)  # releases a's node, which x's graph holds
-    y1.backward(retain_graph=True)
-    third = gp.prune_after(y1, keep=x)
-    return [_summary(r) for r in (first, second, third)]
+    return _prune_the_first_of_two(x, y1, y2)
 
 
 def _scenario_keep_outside_y(w):
@@ -128,10 +113,7 @@ def _scenario_checkpointed_trunk(w):
         x = checkpoint(lambda t: (t * 2).sin().exp(), w, use_reentrant=False)
         y1 = (x * x).sum()
         y2 = x.cos().sum()
-    y1.backward(retain_graph=True)
-    report = gp.prune_after(y1, keep=x)
-    y2.backward()
-    return [_summary(report)]
+    return _prune_the_first_of_two(x, y1, y2)
 
 
 def _scenario_module_trunk(w):
@@ -231,7 +213,6 @@ SCENARIOS = {
     "y reaches the trunk with more than x covers": _scenario_y_reaches_the_trunk_with_more_than_x_covers,
     "a walk left on x, then part of it released": _scenario_a_walk_left_on_x_then_a_prune_releases_part_of_it,
     "x a slice of a stack": _scenario_stack_slice,
-    "x's graph released in part": _scenario_released_inside_the_trunk,
     "keep outside y's graph": _scenario_keep_outside_y,
     "checkpointed trunk": _scenario_checkpointed_trunk,
     "module trunk with dropout": _scenario_module_trunk,
