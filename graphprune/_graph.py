@@ -120,7 +120,7 @@ def reach(roots, through_released: bool = True, supports: dict | None = None, st
     with LOCK:
         for i, node in enumerate(roots):
             if node is not None and node not in out:
-                if not (through_released or RELEASED not in node.metadata):
+                if not through_released and RELEASED in node.metadata:
                     if skipped is not None:
                         skipped.append(node)
                     continue

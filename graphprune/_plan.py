@@ -137,7 +137,7 @@ class Plan:
             start = _supports([(fn, nr, ALL)] if nr is not None else [])
             self.reach, protected, self._trunk_walk, self._head = walk_trunk_once(
                 tops, roots[0], start, y_supports)
-        if protected is None or self.reach is None:
+        if self._trunk_walk is None:  # no single keep= root, or the walk from y needs the whole graph
             self.reach = reach([fn for fn, _ in tops], supports=y_supports)
         self._routers = y_supports  # the routing nodes the walk met, for arm()
         self._zero_keys: list = []
@@ -192,7 +192,8 @@ class Plan:
             live = [h for group in kept_by.get(key, ()) for h in group]
             if trunk is not None:
                 live += trunk_leaves.get(key, ())
-            if key == _FOREIGN_REASON and inputs:
+            with_inputs = key == _FOREIGN_REASON and bool(inputs)  # graphprune holds those: measured
+            if with_inputs:
                 live += inputs
             held = {k: entry[0] for k, entry in storages(
                 h for h in live if not h.leaf or id(h.tensor) in owned).items()}
@@ -202,9 +203,9 @@ class Plan:
                 count, ids = count + trunk.counts[key], ids | trunk.ids[key]
             helds.append(held)
             reason = key if type(key) is str else self._guard_reason(key)
-            if key == _FOREIGN_REASON and inputs:
+            if with_inputs:
                 reason += _CHECKPOINT_INPUTS
-            unknown = key in (_FOREIGN_REASON, _UNTRACKED_REASON) and not (key == _FOREIGN_REASON and inputs)
+            unknown = key in (_FOREIGN_REASON, _UNTRACKED_REASON) and not with_inputs
             kept.append(KeptReason(reason, count, None if unknown else sum(held.values()), ids))
         held_bytes = helds[0] if len(helds) == 1 else functools.reduce(_most_of, helds, {})
         branch = storages(handles)

@@ -14,8 +14,7 @@ from ._outputs import live_roots
 from ._saved import SavedHandle, storage_of
 
 __all__ = [
-    "PruneReport", "KeptReason", "storages", "unique_bytes", "exclusive_keys", "exclusive_bytes",
-    "held_elsewhere",
+    "PruneReport", "KeptReason", "storages", "unique_bytes", "exclusive_keys", "held_elsewhere",
     "format_bytes", "snapshot",
 ]
 
@@ -77,12 +76,6 @@ def exclusive_keys(by_storage: dict[int, list]) -> list[int]:
         elif not held_elsewhere(entry[1:], key, made=True):
             keys.append(key)
     return keys
-
-
-def exclusive_bytes(by_storage: dict[int, list]) -> int:
-    """Bytes that dropping the handles of ``by_storage`` (:func:`storages`) gives
-    back: the storages nothing else uses."""
-    return sum(by_storage[key][0] for key in exclusive_keys(by_storage))
 
 
 def held_elsewhere(group: list[SavedHandle], address: int | None = None, made: bool = False) -> bool:

@@ -150,13 +150,13 @@ def in_zero_pass(node) -> bool:
     return (id(node), torch._C._current_graph_task_id()) in _zero_pass
 
 
-def placeholder(shape, dtype: torch.dtype, device, node=None) -> torch.Tensor:
+def placeholder(shape, dtype: torch.dtype, device, node) -> torch.Tensor:
     """What released ``node`` (running now) gets in a zero-gradient pass instead of
     its tensor. Integer tensors are indices (valid as 0 along any dim that is not
     empty; 1 is out of range on a dim of size 1), except the 1-based LU pivots of a
     node that saves ``pivots``."""
     if dtype.is_floating_point or dtype.is_complex:
         return torch.zeros((), dtype=dtype, device=device).expand(shape)
-    if node is not None and hasattr(type(node), "_raw_saved_pivots"):
+    if hasattr(type(node), "_raw_saved_pivots"):
         return torch.ones(shape, dtype=dtype, device=device)
     return torch.zeros(shape, dtype=dtype, device=device)
