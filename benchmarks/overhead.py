@@ -275,6 +275,31 @@ def _floor_step(m) -> dict:
     return dict(fwd=t1 - t0, bwd1=t2 - t1, prune=t3 - t2, step=t4 - t0)
 
 
+def _touched(m, rounds: int) -> dict:
+    """Median seconds of the prune and of the bare walk (``scaling.floor_walk``) on a
+    graph that one bare walk has read already (its wrappers made, its nodes' saved
+    objects read once), a fresh graph each time, the two alternating: the part of
+    each that is not the first touch of the graph's objects (a fresh graph's nodes
+    and handles are out of the CPU's caches after the backward it follows)."""
+    out = {"prune": [], "walk": []}
+    for rnd in range(2 * rounds):
+        for p in m.params:
+            p.grad = None
+        with gp.track():
+            x, l1, l2 = m.forward()
+        l1.backward(retain_graph=True)
+        floor_walk(l1.grad_fn)
+        t0 = time.perf_counter()
+        if rnd % 2:
+            floor_walk(l1.grad_fn)
+        else:
+            gp.prune_after(l1, keep=x)
+        out["walk" if rnd % 2 else "prune"].append(time.perf_counter() - t0)
+        l2.backward()
+        del x, l1, l2
+    return {k: statistics.median(v) for k, v in out.items()}
+
+
 def run_transformer(size) -> dict:
     m = _Model(size)
     counts = census(lambda: m.forward())
@@ -295,6 +320,8 @@ def run_transformer(size) -> dict:
         return [r[key] for r in runs[name]]
 
     med = {f"{n}_{k}": statistics.median(col(n, k)) for n in runs for k in runs[n][0]}
+    touched = _touched(m, max(4, size["steps"] // 10))
+    med.update(touched_prune=touched["prune"], touched_walk=touched["walk"])
     return dict(census=counts, steps=len(runs["gp"]), median_s=med,
                 fwd_ratio=_paired(col("gp", "fwd"), col("plain", "fwd"), lambda a, b: a / b),
                 step_ratio=_paired(col("gp", "step"), col("plain", "step"), lambda a, b: a / b),
@@ -439,6 +466,14 @@ def _transformer_rows(r) -> list[dict]:
             f"{m['floor_step'] * 1e3:.1f} ms / walk {m['floor_prune'] * 1e3:.2f} ms",
             f"{r['floor_fwd_ratio']:.3f}x / {r['floor_step_ratio']:.3f}x / "
             f"{r['floor_prune_share'] * 100:.1f}%", "—", None, wl, "floor"))
+    if "touched_prune" in m:  # how much of each is the first touch of a fresh graph's objects
+        rows.append(_row(
+            "where the prune's time goes (no target): the prune and the bare walk on a fresh graph "
+            "(as above), and on a graph that one bare walk has read already",
+            f"walk {m['floor_prune'] * 1e3:.2f} ms / read before {m['touched_walk'] * 1e3:.2f} ms",
+            f"prune {m['gp_prune'] * 1e3:.2f} ms / read before {m['touched_prune'] * 1e3:.2f} ms",
+            f"{m['touched_prune'] / m['gp_prune']:.2f}x / {m['touched_walk'] / m['floor_prune']:.2f}x",
+            "—", None, wl, "floor"))
     return rows
 
 

@@ -51,7 +51,8 @@ class _Walked:
 
     def __init__(self, root, start, protected: dict, supports: dict) -> None:
         self.start = start  # the output number the walk started on, or None: every output
-        self.below = {node: 0 for node in protected if node is not root}
+        self.below = dict.fromkeys(protected, 0)
+        self.below.pop(root, None)
         self.supports = {node: dict(s) for node, s in supports.items() if node is not root}
         own = supports.get(root)
         self.own_support = None if own is None else dict(own)  # no node in it
@@ -135,7 +136,7 @@ def released(nodes) -> None:
     """``nodes`` were just marked released: the walks left that hold one are stale."""
     with LOCK:
         for walk in list(_walks):
-            if not walk.stale and any(node in walk.below for node in nodes):
+            if not walk.stale and not walk.below.keys().isdisjoint(nodes):
                 walk.stale = True
 
 

@@ -76,6 +76,7 @@ def test_every_strategy_has_a_row_in_every_table(suite):
     floors = [line for line in overhead.splitlines() if "the floor on this machine" in line]
     assert any("pack hook that detaches, one forward" in f for f in floors), "no chain floor row"
     assert any("that walk / the `l1` backward" in f for f in floors), "no transformer floor row"
+    assert any("where the prune's time goes" in line for line in overhead.splitlines()), "no first-touch row"
     assert "per head, 4 heads built one by one" in overhead
 
 
