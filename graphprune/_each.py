@@ -43,7 +43,7 @@ from typing import Callable
 import torch
 from torch.autograd.graph import GradientEdge
 
-from . import _routing
+from . import _outputs, _routing
 from ._graph import _is_router, is_accumulator, reach
 from ._plan import Plan
 from ._prune import _remember
@@ -96,12 +96,20 @@ def backward_each(losses, *, keep=None, strategy: str = "cut") -> list[PruneRepo
         raise ValueError(f'{call}: strategy must be "cut" or "passes", got {strategy!r}')
     items = _items(losses, call)
     heads = _heads(items, call, cut=strategy == "cut")
+    hooked = strategy == "cut" and _hooked(  # NOTE [ Hooks at the cut ]; a lazy head's cut is not known yet
+        None if callable(items[0]) else {(e.node, e.output_nr) for head in heads for e in head.cut})
+    if hooked:
+        strategy = "passes"
+        heads = _heads(items, call, cut=False)
     if strategy == "passes":
         reports = [report for _, report in _whole_passes(
             call, heads, len(items), keep, lambda loss: torch.autograd.backward(loss, retain_graph=True),
             callable(items[0]))]
-        reports[-1] = _remember(dataclasses.replace(
-            reports[-1], strategy=f"passes: {len(items)} whole pass(es), the trunk freed by the last"))
+        text = f"passes: {len(items)} whole pass(es), the trunk freed by the last"
+        if hooked:
+            text += (" (a tracked tensor has hooks or retains its grad: the cut would run them "
+                     "again on the heads' summed gradient)")
+        reports[-1] = _remember(dataclasses.replace(reports[-1], strategy=text))
         return reports
     reports, cut = [], collections.OrderedDict()
     for head in heads:
@@ -191,6 +199,24 @@ def grads_each(losses, inputs, *, keep=None, allow_unused: bool | None = None,
 
     passes = _whole_passes(call, _heads(items, call, cut=False), len(items), keep, run, callable(items[0]))
     return [row for row, _ in passes[:len(items)]]
+
+
+def _hooked(edges) -> bool:
+    """Whether a live tracked tensor at one of ``edges`` (``{(node, output number)}``;
+    ``None``: anywhere) has hooks (``register_hook``) or retains its grad.
+
+    NOTE [ Hooks at the cut ]
+    A tensor's hooks run where its gradient arrives, before a pass that stops there
+    captures it: a head's pass to the cut runs the hooks of the trunk tensor it stops
+    at, and the trunk's pass, which starts there from the heads' summed gradient, would
+    run them again (a gradient reversal undone, ``.grad`` of a tensor that retains it
+    counted twice). A plain loop runs them once per loss, on that loss's gradient, and
+    so do whole passes: ``strategy="cut"`` takes them when any tracked tensor has one.
+    """
+    for t in _outputs.live():
+        if (t.retains_grad or t._backward_hooks) and (edges is None or (t.grad_fn, t.output_nr) in edges):
+            return True
+    return False
 
 
 def _add(cut: dict, edge: GradientEdge, g: torch.Tensor) -> None:

@@ -45,6 +45,7 @@ from ._zero import forget, guard_released, known_zero
 
 __all__ = ["Plan", "as_outputs"]
 
+_BOOL = torch.bool
 _FOREIGN_REASON = "saved under other saved-tensor hooks (checkpoint, save_on_cpu, ...)"
 _CHECKPOINT_INPUTS = "; graphprune holds the checkpointed regions' inputs, which they recompute from"
 _UNTRACKED_REASON = (
@@ -174,13 +175,11 @@ class Plan:
             part = _classify(self._head, self.protected)
             trunk = walked.measured(functools.partial(_classify, protected=self.protected))
         by_node, kept_nodes, kept_by = part.by_node, part.kept_nodes, part.kept_by
-        order = list(kept_nodes) + ([k for k in trunk.counts if k not in kept_nodes] if trunk else [])
+        # the protected roots' reasons nearest first, then the kinds graphprune does not hold
+        order = sorted({**kept_nodes, **(trunk.counts if trunk else {})}, key=_reason_rank)
         self._kinds = part.kinds | (trunk.kinds if trunk else set())
         foreign = kept_nodes.get(_FOREIGN_REASON, []) + (trunk.foreign if trunk else [])
         inputs = inputs_of(foreign) if foreign else None  # NOTE [ What a checkpointed region keeps ]
-        if inputs:  # in _checkpoint.py: their reason is listed last
-            order.remove(_FOREIGN_REASON)
-            order.append(_FOREIGN_REASON)
         trunk_leaves = trunk.leaves() if trunk else {}
         owned = _graph_owned([*kept_by.values(), by_node.values(), trunk_leaves.values(),
                               [inputs or ()]])  # the branch's are released now
@@ -211,6 +210,8 @@ class Plan:
         branch = storages(handles)
         self._trunk, self._branch = held_bytes, branch
         self._exclusive = exclusive_keys(branch)
+        # for warn(), which runs after the release: the branch's handles are gone then
+        self._graph_total = self._graph_bytes() if self._losses else None
         released = collections.Counter(map(type, by_node))
         names = collections.Counter()
         for node in by_node:  # a name per node type: name() is a call into C++ and a string split
@@ -251,13 +252,14 @@ class Plan:
                 f"{call}: nothing can be released: the graph of "
                 f"{', '.join(_outputs.describe(t) for t in self.outputs)} was built outside "
                 "graphprune.track(), so PyTorch holds its saved tensors. Run the forward "
-                "inside `with graphprune.track():`."
+                "inside `with graphprune.track():`.",
+                kind=f"{call}: built outside track()",
             )
             return
         freed = self.report_args["bytes_freed"]
         if not self._losses:
             return
-        total = self._graph_bytes()
+        total = self._graph_total
         if total == 0 or freed >= 0.1 * total:
             return
         held = self._held_by_sums()
@@ -269,7 +271,8 @@ class Plan:
                 f"{format_bytes(blocked)} stays for live scalars you hold that are computed from the "
                 f"losses and that no backward pass has run through: {some}. If no backward pass will "
                 "start from them, detach them (t = t.detach()) or del them before this call; or name "
-                "what later passes start from: keep=[later losses]."
+                "what later passes start from: keep=[later losses].",
+                kind=f"{call}: held by live sums",
             )
 
     def _held_by_sums(self):
@@ -395,6 +398,15 @@ class Plan:
         self._mark_released(ran, reason)
 
 
+def _reason_rank(key) -> tuple:
+    """Where a kept reason is listed: a protected root's by its number, then what was
+    built outside ``track()``, then what other hooks hold (a checkpointed region's
+    inputs with them): one order whichever walk found them."""
+    if type(key) is int:
+        return 0, key
+    return (1, 0) if key == _UNTRACKED_REASON else (2, 0)
+
+
 def _most_of(a: dict, b: dict) -> dict:
     """``{storage: bytes}`` of both, the most bytes of either for a storage in both; a
     new dict, but ``a`` itself where ``b`` is empty (neither is changed)."""
@@ -461,7 +473,10 @@ def _classify(nodes, protected: dict) -> _Part:
             key = protected[node]
         else:
             if live:
-                by_node[node] = live
+                if any(h.tensor.dtype is _BOOL for h in live):  # NOTE [ Masks stay ] in _zero.py
+                    live = [h for h in live if h.tensor.dtype is not _BOOL]
+                if live:
+                    by_node[node] = live
             continue
         if live:
             kept_by[key].append(live)

@@ -45,7 +45,22 @@ def storage_of(h: SavedHandle) -> tuple[int, int]:
         span = t.storage_offset() + sum((n - 1) * s for n, s in zip(t.shape, t.stride())) + 1
         return torch._C._storage_address(t), (span if t.numel() else 0) * t.element_size()
     except (RuntimeError, NotImplementedError):  # sparse, nested, functional tensors
-        return -id(t), t.numel() * t.element_size()  # negative: no storage address
+        return -id(t), _unstrided_bytes(t)  # negative: no storage address
+
+
+def _unstrided_bytes(t: torch.Tensor) -> int:
+    """What a tensor without one storage holds: a sparse tensor's indices and values,
+    others (nested, functional) their elements."""
+    layout = t.layout
+    if layout is torch.sparse_coo:
+        parts = (t._indices(), t._values())
+    elif layout in (torch.sparse_csr, torch.sparse_bsr):
+        parts = (t.crow_indices(), t.col_indices(), t.values())
+    elif layout in (torch.sparse_csc, torch.sparse_bsc):
+        parts = (t.ccol_indices(), t.row_indices(), t.values())
+    else:
+        return t.numel() * t.element_size()
+    return sum(p.numel() * p.element_size() for p in parts)
 
 
 class SavedHandle:
@@ -74,7 +89,11 @@ class SavedHandle:
         """Drop the tensor; a later unpack raises :class:`ReleasedTensorError` naming ``reason``."""
         t = self.tensor
         if t is not None:
-            self.meta = (tuple(t.shape), t.dtype, t.device)  # no torch.Size: a tuple of ints
+            try:
+                shape = tuple(t.shape)  # no torch.Size: a tuple of ints
+            except RuntimeError:  # a strided nested tensor has no single shape
+                shape = None
+            self.meta = (shape, t.dtype, t.device)
             self.tensor = None  # is no object for the garbage collector to walk
             self.released_by = reason
 
@@ -83,7 +102,7 @@ class SavedHandle:
         t = self.tensor
         if t is None:
             node = torch._C._current_autograd_node()
-            if node is not None and in_zero_pass(node):
+            if node is not None and in_zero_pass(node) and self.meta[0] is not None:
                 return placeholder(*self.meta, node)  # NOTE [ Zero-gradient passes through released nodes ]
             raise ReleasedTensorError(released_message(node, self.released_by))
         if t._version != self.version:

@@ -34,7 +34,8 @@ from __future__ import annotations
 
 import weakref
 
-from ._graph import LOCK, reach
+from ._graph import LOCK, TRACKED, reach
+from ._marks import RELEASED
 from ._routing import widen
 
 __all__ = ["walk_trunk_once", "released"]
@@ -71,7 +72,10 @@ class _Walked:
         kept = self.kept
         if kept is None or not kept.valid():
             self.measures += 1
-            kept = _Kept(classify(list(self.below)), held=self.measures > 1)
+            part = classify(list(self.below))
+            # a node whose tensors other hooks or PyTorch hold has no handle to tell
+            # that a plain pass freed them: such a trunk is measured at every prune
+            kept = _Kept(part, held=self.measures > 1 and part.kinds <= {TRACKED})
             if kept.held:
                 self.kept = kept
         return kept
@@ -145,8 +149,9 @@ def _trunk_walk(fn, nr, start_supports: dict) -> tuple[dict, dict, _Walked | Non
     nodes, from the walk left on ``fn`` where it is still exact; ``walk`` is ``None``
     where it stopped at a released node."""
     with LOCK:
-        left = fn.metadata.get(_TRUNK)
-        if left is not None and left.start == nr and not left.stale:
+        md = fn.metadata
+        left = md.get(_TRUNK)  # the root released since: never walked through (``reach``)
+        if left is not None and left.start == nr and not left.stale and RELEASED not in md:
             return (*left.walk(fn), left)
         skipped: list = []
         protected = reach([fn], through_released=False, supports=start_supports, skipped=skipped)

@@ -19,7 +19,41 @@ __all__ = ["warn_at_caller"]
 _OWN_DIR = os.path.dirname(__file__)
 
 
-def warn_at_caller(message: str) -> None:
+class _Text(str):
+    """A warning's text that Python's registries take as equal to every other of the
+    same ``kind``: a message that carries numbers (bytes, a batch's shape) is still
+    shown once per call site under the default filter; its text, for filters that
+    match it and for what is shown, is the whole message.
+
+    Example::
+
+        >>> _Text("freed 1 B", "freed") == _Text("freed 2 B", "freed")
+        True
+    """
+
+    def __new__(cls, text: str, kind: str) -> _Text:
+        self = super().__new__(cls, text)
+        self.kind = kind
+        return self
+
+    def __eq__(self, other) -> bool:
+        if type(other) is _Text:
+            return self.kind == other.kind
+        return str.__eq__(self, other)
+
+    def __ne__(self, other) -> bool:
+        return not self == other
+
+    def __hash__(self) -> int:
+        return hash(self.kind)
+
+
+def warn_at_caller(message: str, kind: str | None = None) -> None:
+    """Warn ``message`` (a :class:`GraphPruneWarning`) at the first frame outside
+    graphprune; ``kind``: what makes two messages the same warning, where the message
+    carries numbers that change from call to call."""
+    if kind is not None:
+        message = _Text(message, kind)
     frame = sys._getframe(1)
     while frame is not None and frame.f_code.co_filename.startswith(_OWN_DIR):
         frame = frame.f_back

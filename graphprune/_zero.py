@@ -19,6 +19,14 @@ thread's pass never sees a stale mark. Placeholders of floating tensors are
 zero-stride (no memory); integer ones are contiguous zeros (indices: 0 is valid along
 any dim that is not empty), or ones for LU pivots, which are 1-based.
 
+NOTE [ Masks stay ]
+A boolean mask decides the shape of what it indexes (``logits[mask]``, ``z[mask] =
+v``, a masked-token loss): no placeholder gives the kernel the count of its ``True``
+entries, so a zero-gradient pass through a node that saved one would fail in the
+kernel (a shape mismatch). So a prune releases no saved boolean tensor: a node keeps
+its masks (one byte per entry) and releases the rest, or, where it saved only masks,
+is not released at all, and runs in later passes as in plain PyTorch.
+
 NOTE [ Zeros known without looking ]
 Reading a gradient's values (``g.any()``) on a GPU waits for the device: one
 host-device synchronisation per released node a pass runs. So a pass of

@@ -353,3 +353,40 @@ def test_grads_each_accumulate_takes_leaves_only():
         losses = [(w * 2).sum()]
     with pytest.raises(TypeError, match=r"accumulate\[0\] must be a leaf tensor that requires grad"):
         gp.grads_each(losses, w, accumulate=[w * 2])
+
+
+def _hooked_heads(how, hook, retain):
+    torch.manual_seed(0)
+    w = torch.randn(4, 4, requires_grad=True)
+    heads = [torch.randn(4, 1, requires_grad=True) for _ in range(2)]
+    calls = []
+    with gp.track():
+        x = (torch.randn(3, 4) @ w).tanh()
+        if retain:
+            x.retain_grad()
+        else:
+            x.register_hook(lambda g: (calls.append(1), hook(g))[1])
+        losses = [(x @ h).pow(2).sum() * 3 for h in heads]
+    if how == "plain":
+        for loss in losses:
+            loss.backward(retain_graph=True)
+        report = None
+    else:
+        report = gp.backward_each(losses, strategy=how)[-1]
+    return w.grad, x.grad if retain else None, len(calls), report
+
+
+@pytest.mark.parametrize("strategy", ["cut", "passes"])
+@pytest.mark.parametrize("hook", [lambda g: -g, lambda g: g.clamp(-0.5, 0.5), None],
+                         ids=["reversal", "clip", "retain_grad"])
+def test_hooks_on_the_trunk_tensor_run_once_per_loss_as_in_the_plain_loop(strategy, hook):
+    """NOTE [ Hooks at the cut ]: the cut ran them in each head's pass and again on the
+    trunk's summed gradient (a reversal undone, a tensor's retained grad doubled)."""
+    want_w, want_x, want_calls, _ = _hooked_heads("plain", hook, hook is None)
+    got_w, got_x, calls, report = _hooked_heads(strategy, hook, hook is None)
+    assert_close(got_w, want_w)
+    if hook is None:
+        assert_close(got_x, want_x)
+    assert calls == want_calls
+    assert report.strategy.startswith("passes")
+    assert ("hooks or retains its grad" in report.strategy) == (strategy == "cut")

@@ -440,3 +440,69 @@ def test_warning_under_python_c_and_stdin_is_printed_not_an_import_error():
                               timeout=120)
         assert proc.returncode == 0, proc.stderr
         assert "GraphPruneWarning: graphprune.backward: nothing can be released" in proc.stderr
+
+
+@pytest.mark.parametrize("call", ["prune_after", "backward"])
+def test_a_branch_that_saved_a_parameter_and_its_transpose_prunes_without_raising(call):
+    """Tied weights (``x @ w`` and ``x @ w.t()``): one storage behind a parameter's handle
+    and a view's; the warning's check measured the released handles and raised."""
+    torch.manual_seed(0)
+    a, w = torch.randn(4, 4, requires_grad=True), torch.randn(4, 4, requires_grad=True)
+    inp = torch.randn(3, 4)
+
+    def losses(a, w):
+        x = (inp @ a).tanh()
+        return ((x @ w).sin() + (x @ w.t()).sin()).sum(), x.cos().sum()
+
+    with gp.track():
+        l0, l1 = losses(a, w)
+    if call == "prune_after":
+        l0.backward(retain_graph=True)
+        report = gp.prune_after(l0)
+    else:
+        report = gp.backward(l0)
+    assert report.released_node_count > 0
+    l1.backward()
+    a0, w0 = a.detach().clone().requires_grad_(), w.detach().clone().requires_grad_()
+    sum(losses(a0, w0)).backward()
+    assert_close(a.grad, a0.grad)
+    assert_close(w.grad, w0.grad)
+
+
+@pytest.mark.filterwarnings("ignore:The PyTorch API of nested tensors")
+@pytest.mark.parametrize("call", ["prune_after", "backward"])
+def test_releasing_a_saved_strided_nested_tensor_does_not_raise(call):
+    """A strided nested tensor has no single shape: the release read ``t.shape``."""
+    w = torch.randn(4, 8, requires_grad=True)
+    with gp.track():
+        x = w * 1.5
+        nt = torch.nested.as_nested_tensor([x[0:2], x[2:4]])
+        l0 = nt.sin().values().sum()  # SinBackward0 saves the nested tensor
+        l1 = x.cos().sum()
+    if call == "prune_after":
+        l0.backward(retain_graph=True)
+        report = gp.prune_after(l0)
+    else:
+        report = gp.backward(l0)
+    assert report.released_nodes.get("SinBackward0") == 1
+    grad = w.grad.clone()
+    l1.backward()
+    assert_close(w.grad - grad, -(w * 1.5).sin().detach() * 1.5)
+
+
+@pytest.mark.filterwarnings("ignore:Sparse invariant checks")
+def test_bytes_freed_counts_a_sparse_tensor_by_its_indices_and_values():
+    """It counted a saved sparse COO tensor at its dense size."""
+    n = 1000
+    s = torch.sparse_coo_tensor(torch.tensor([[0, 5, 9], [1, 2, 3]]), torch.ones(3), (n, n))
+    s.requires_grad_()
+    w = torch.randn(n, 4, requires_grad=True)
+    with gp.track():
+        x = w.tanh()
+        s2 = s * 2  # sparse, 3 entries
+        l0 = torch.sparse.mm(s2, x).sum()
+        l1 = x.cos().sum()  # noqa: F841 (a pending loss: the trunk x is kept)
+    del s2
+    l0.backward(retain_graph=True)
+    report = gp.prune_after(l0)
+    assert report.bytes_freed == 3 * 4 + 2 * 3 * 8  # values (3 float32), indices (2 x 3 int64)

@@ -2,6 +2,7 @@
 the trunk once, and the next head's prune does not walk it again; what it releases,
 reports and leaves differentiable is exactly what the walk of the whole graph gives."""
 
+import functools
 import gc
 import weakref
 
@@ -206,7 +207,80 @@ def _scenario_a_plain_pass_frees_part_of_a_measured_trunk(w):
     return reports + [_summary(gp.explain(y3, keep=x))]
 
 
+def _scenario_the_root_itself_released_since_its_walk_was_left(w):
+    """A prune with another ``keep=`` released ``x``'s own node after a ``keep=x`` prune
+    left its walk there: the next ``keep=x`` prune protects nothing below it (a walk
+    stops at a released node), and frees what only ``x`` kept."""
+    with gp.track():
+        a = w.exp()  # its node saves a, as x's node does
+        x = a.sin()
+        other = (a * 2).sum()
+        y0 = (x * 3).sum()
+    del a
+    y0.backward(retain_graph=True)
+    reports = [_summary(gp.prune_after(y0, keep=x))]  # leaves the walk on x's node
+    with gp.track():
+        lx = x.sum()
+    lx.backward(retain_graph=True)
+    reports.append(_summary(gp.prune_after(lx, keep=other)))  # releases x's node
+    with gp.track():
+        y1 = (x * x).sum()
+    reports.append(_summary(gp.prune_after(y1, keep=x)))
+    exp_node = x.grad_fn.next_functions[0][0]
+    return reports + [exp_node._raw_saved_result.data.tensor is None]
+
+
+def _scenario_a_plain_pass_frees_what_other_hooks_or_pytorch_held(w, built_outside):
+    """A trunk whose saved tensors checkpoint (or PyTorch: built outside ``track()``)
+    holds, measured and kept by the second prune; a plain pass then frees them, with no
+    handle of graphprune's to tell: the next report counts those nodes as freed."""
+    if built_outside:
+        c = w.sin().exp()
+        with gp.track():
+            x = c * 2.0
+            heads = [(x * (i + 1)).cos().sum() for i in range(3)]
+    else:
+        with gp.track():
+            c = checkpoint(lambda t: t.sin().exp(), w, use_reentrant=False)
+            x = c * 2.0
+            heads = [(x * (i + 1)).cos().sum() for i in range(3)]
+    reports = []
+    for y in heads[:2]:
+        y.backward(retain_graph=True)
+        reports.append(_summary(gp.prune_after(y, keep=x)))
+    c.sum().backward()
+    return reports + [_summary(gp.explain(heads[2], keep=x))]
+
+
+def _scenario_reasons_met_in_the_trunk_and_in_the_head(w):
+    """Nodes other hooks hold in the trunk, a node built outside ``track()`` deep in the
+    head: the reasons are listed in one order, whichever walk met them first."""
+    u = torch.randn(4, 6, requires_grad=True).sin()  # PyTorch holds its saved tensor
+    with gp.track():
+        with torch.autograd.graph.save_on_cpu():
+            c = w.exp()
+        x = c * 2.0
+        heads = []
+        for _ in range(3):
+            h = u
+            for _ in range(4):
+                h = h + 1.0  # saves nothing: puts u's node deep in the head
+            heads.append((x * h).sum())
+    reports = []
+    for y in heads:
+        y.backward(retain_graph=True)
+        reports.append(_summary(gp.prune_after(y, keep=x)))
+    return reports
+
+
 SCENARIOS = {
+    "the root itself released since its walk was left":
+        _scenario_the_root_itself_released_since_its_walk_was_left,
+    "a plain pass frees what checkpoint held": functools.partial(
+        _scenario_a_plain_pass_frees_what_other_hooks_or_pytorch_held, built_outside=False),
+    "a plain pass frees what PyTorch held": functools.partial(
+        _scenario_a_plain_pass_frees_what_other_hooks_or_pytorch_held, built_outside=True),
+    "reasons met in the trunk and in the head": _scenario_reasons_met_in_the_trunk_and_in_the_head,
     "a plain pass frees part of a measured trunk": _scenario_a_plain_pass_frees_part_of_a_measured_trunk,
     "y reaches x with less than x": _scenario_y_reaches_x_with_less_than_x,
     "the trunk's walk stops at a released node": _scenario_trunk_walk_stops_at_a_released_node,

@@ -115,3 +115,36 @@ def test_graph_built_under_no_grad_is_an_error_that_says_so():
     message = r"y has no grad_fn \(it does not require grad: made under torch.no_grad"
     with pytest.raises(ValueError, match=message):
         gp.prune_after(y)
+
+
+def _held_sum_steps(batches, action):
+    """Steps whose batch sizes differ, a sum of the losses held for logging: the warning's
+    bytes change from step to step."""
+    torch.manual_seed(0)
+    w = torch.randn(32, 64, requires_grad=True)
+    heads = [torch.randn(64, 16, requires_grad=True) for _ in range(2)]
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter(action)
+        for n in batches:
+            with gp.track():
+                x = (torch.randn(n, 32) @ w).relu()
+                l0 = (x @ heads[0]).pow(2).mean()
+                l1 = (x @ heads[1]).sin().mean()
+                total = l0 + l1  # noqa: F841 (held for logging)
+            gp.backward(l0)
+            gp.backward(l1)
+            del total
+    return [w for w in caught if issubclass(w.category, gp.GraphPruneWarning)]
+
+
+def test_a_warning_whose_numbers_change_is_still_filed_once_per_call_site():
+    caught = _held_sum_steps([64, 48, 32], "default")
+    assert len(caught) == 2  # the two gp.backward lines, once each
+    assert len({w.lineno for w in caught}) == 2
+    assert all("20.0 KiB" in str(w.message) for w in caught)  # the first step's numbers, in full
+
+
+def test_a_warning_whose_numbers_change_is_shown_every_time_under_always():
+    caught = _held_sum_steps([64, 48, 32], "always")
+    assert len(caught) == 6
+    assert len({str(w.message) for w in caught}) == 3  # a step's two lines say the same

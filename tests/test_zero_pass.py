@@ -247,3 +247,53 @@ def test_a_zero_pass_through_a_released_node_that_saved_integers_matches_plain(n
         return w.grad
 
     assert_close(run(tracked=True), run(tracked=False))
+
+
+def _assign_masked(x):
+    z = torch.zeros(4, 4)
+    z[x[:, 0] > 0] = x[x[:, 0] > 0].exp()
+    return z.sum()
+
+
+_MASK = torch.tensor([True, False, True, True])
+# heads that saved a boolean mask (NOTE [ Masks stay ] in _zero.py): a placeholder cannot
+# give the kernel the mask's count of True entries
+MASK_SAVING_HEADS = {
+    "masked_token_loss": lambda x: F.cross_entropy(x[_MASK], torch.tensor([1, 0, 3])),
+    "positive_entries": lambda x: x[x > 0].exp().sum(),
+    "masked_assignment": _assign_masked,
+    "where": lambda x: torch.where(x > 0, x.exp(), x.sin()).sum(),
+}
+
+
+@pytest.mark.parametrize("name", sorted(MASK_SAVING_HEADS))
+def test_a_zero_pass_through_a_released_head_that_saved_a_boolean_mask_matches_plain(name):
+    def run(tracked):
+        torch.manual_seed(0)
+        w = torch.randn(4, 4, requires_grad=True)
+        with gp.track() if tracked else contextlib.nullcontext():
+            x = w * 2
+            losses = torch.stack([MASK_SAVING_HEADS[name](x), x.sin().sum()])
+        losses[0].backward(retain_graph=True)
+        if tracked:
+            would = gp.explain(losses[0])
+            report = gp.prune_after(losses[0])
+            assert report.released_tensors >= 1
+            assert (report.released_nodes, report.bytes_freed) == (would.released_nodes, would.bytes_freed)
+        w.grad = None
+        losses[1].backward()  # head 0 gets zeros: the masked node runs on its own mask
+        return w.grad
+
+    assert_close(run(tracked=True), run(tracked=False))
+
+
+def test_a_prune_frees_no_boolean_mask_and_counts_none():
+    w = torch.randn(1000, requires_grad=True)
+    with gp.track():
+        x = w * 2
+        l0 = x[x > 0].exp().sum()  # IndexBackward saves the mask only; ExpBackward its result
+        l1 = x.sin().sum()  # noqa: F841 (a pending loss: the trunk x is kept)
+    l0.backward(retain_graph=True)
+    report = gp.prune_after(l0)
+    assert report.released_nodes == {"ExpBackward0": 1}
+    assert report.bytes_freed == 4 * int((x > 0).sum())  # the exp's result, not the mask's 1000 B
