@@ -472,11 +472,14 @@ def _classify(nodes, protected: dict) -> _Part:
         elif node in protected:
             key = protected[node]
         else:
-            if live:
-                if any(h.tensor.dtype is _BOOL for h in live):  # NOTE [ Masks stay ] in _zero.py
+            if live:  # no boolean mask released: NOTE [ Masks stay ] in _zero.py
+                if len(live) == 1:
+                    if live[0].tensor.dtype is not _BOOL:
+                        by_node[node] = live
+                else:
                     live = [h for h in live if h.tensor.dtype is not _BOOL]
-                if live:
-                    by_node[node] = live
+                    if live:
+                        by_node[node] = live
             continue
         if live:
             kept_by[key].append(live)
