@@ -211,7 +211,10 @@ def _hooked(edges) -> bool:
     at, and the trunk's pass, which starts there from the heads' summed gradient, would
     run them again (a gradient reversal undone, ``.grad`` of a tensor that retains it
     counted twice). A plain loop runs them once per loss, on that loss's gradient, and
-    so do whole passes: ``strategy="cut"`` takes them when any tracked tensor has one.
+    so do whole passes: ``strategy="cut"`` takes them when a tracked tensor at the cut
+    has one (any tracked tensor, for heads given as callables: their cut is not known
+    before they run). A pre-hook on a trunk node itself (``Node.register_prehook``) runs
+    once, in the trunk's pass, on the sum.
     """
     for t in _outputs.live():
         if (t.retains_grad or t._backward_hooks) and (edges is None or (t.grad_fn, t.output_nr) in edges):

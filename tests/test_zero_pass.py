@@ -231,22 +231,29 @@ INTEGER_SAVING_HEADS = {
 }
 
 
+def _zero_pass_grad(head, tracked):
+    """``w.grad`` of ``losses[1]``'s pass, ``losses = stack([head(x), ...])``, after
+    ``losses[0]``'s pass (and, tracked, its prune): ``head`` runs with zeros."""
+    torch.manual_seed(0)
+    w = torch.randn(4, 4, requires_grad=True)
+    with gp.track() if tracked else contextlib.nullcontext():
+        x = w * 2
+        losses = torch.stack([head(x), x.sin().sum()])
+    losses[0].backward(retain_graph=True)
+    if tracked:
+        would = gp.explain(losses[0])
+        report = gp.prune_after(losses[0])
+        assert report.released_tensors >= 1
+        assert (report.released_nodes, report.bytes_freed) == (would.released_nodes, would.bytes_freed)
+    w.grad = None
+    losses[1].backward()  # head 0's released nodes run with zeros, on placeholders
+    return w.grad
+
+
 @pytest.mark.parametrize("name", sorted(INTEGER_SAVING_HEADS))
 def test_a_zero_pass_through_a_released_node_that_saved_integers_matches_plain(name):
-    def run(tracked):
-        torch.manual_seed(0)
-        w = torch.randn(4, 4, requires_grad=True)
-        with gp.track() if tracked else contextlib.nullcontext():
-            x = w * 2
-            head0 = INTEGER_SAVING_HEADS[name](x)
-            losses = torch.stack([head0, x.sin().sum()])
-        losses[0].backward(retain_graph=True)
-        if tracked:
-            assert gp.prune_after(losses[0]).released_tensors >= 1
-        losses[1].backward()  # head 0's released nodes run with zeros, on placeholders
-        return w.grad
-
-    assert_close(run(tracked=True), run(tracked=False))
+    head = INTEGER_SAVING_HEADS[name]
+    assert_close(_zero_pass_grad(head, tracked=True), _zero_pass_grad(head, tracked=False))
 
 
 def _assign_masked(x):
@@ -268,23 +275,8 @@ MASK_SAVING_HEADS = {
 
 @pytest.mark.parametrize("name", sorted(MASK_SAVING_HEADS))
 def test_a_zero_pass_through_a_released_head_that_saved_a_boolean_mask_matches_plain(name):
-    def run(tracked):
-        torch.manual_seed(0)
-        w = torch.randn(4, 4, requires_grad=True)
-        with gp.track() if tracked else contextlib.nullcontext():
-            x = w * 2
-            losses = torch.stack([MASK_SAVING_HEADS[name](x), x.sin().sum()])
-        losses[0].backward(retain_graph=True)
-        if tracked:
-            would = gp.explain(losses[0])
-            report = gp.prune_after(losses[0])
-            assert report.released_tensors >= 1
-            assert (report.released_nodes, report.bytes_freed) == (would.released_nodes, would.bytes_freed)
-        w.grad = None
-        losses[1].backward()  # head 0 gets zeros: the masked node runs on its own mask
-        return w.grad
-
-    assert_close(run(tracked=True), run(tracked=False))
+    head = MASK_SAVING_HEADS[name]  # the masked node runs on its own mask
+    assert_close(_zero_pass_grad(head, tracked=True), _zero_pass_grad(head, tracked=False))
 
 
 def test_a_prune_frees_no_boolean_mask_and_counts_none():
