@@ -34,6 +34,7 @@ from ._report import (
     exclusive_keys,
     format_bytes,
     held_elsewhere,
+    storage_bytes,
     storages,
     unique_bytes,
 )
@@ -186,7 +187,7 @@ class Plan:
         handles = [h for live in by_node.values() for h in live]
         helds = []  # the kept storages' bytes, by reason
         kept = []
-        for key in order:  # every reason, in the order the walk met it
+        for key in order:  # every reason, in _reason_rank's order
             nodes = kept_nodes.get(key, ())
             live = [h for group in kept_by.get(key, ()) for h in group]
             if trunk is not None:
@@ -194,8 +195,7 @@ class Plan:
             with_inputs = key == _FOREIGN_REASON and bool(inputs)  # graphprune holds those: measured
             if with_inputs:
                 live += inputs
-            held = {k: entry[0] for k, entry in storages(
-                h for h in live if not h.leaf or id(h.tensor) in owned).items()}
+            held = storage_bytes(h for h in live if not h.leaf or id(h.tensor) in owned)
             count, ids = len(nodes), frozenset(map(id, nodes))
             if trunk is not None and key in trunk.counts:
                 held = _most_of(trunk.storages[key], held)

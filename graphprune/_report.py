@@ -14,7 +14,8 @@ from ._outputs import live_roots
 from ._saved import SavedHandle, storage_of
 
 __all__ = [
-    "PruneReport", "KeptReason", "storages", "unique_bytes", "exclusive_keys", "held_elsewhere",
+    "PruneReport", "KeptReason", "storages", "storage_bytes", "unique_bytes", "exclusive_keys",
+    "held_elsewhere",
     "format_bytes", "snapshot",
 ]
 
@@ -51,9 +52,14 @@ def storages(handles) -> dict[int, list]:
     return out
 
 
+def storage_bytes(handles) -> dict[int, int]:
+    """``{key: bytes}`` of the distinct storages behind live ``handles`` (:func:`storages`)."""
+    return {key: entry[0] for key, entry in storages(handles).items()}
+
+
 def unique_bytes(handles: list[SavedHandle]) -> int:
     """Bytes of the distinct storages behind ``handles`` (live ones)."""
-    return sum(entry[0] for entry in storages(handles).values())
+    return sum(storage_bytes(handles).values())
 
 
 def exclusive_keys(by_storage: dict[int, list]) -> list[int]:

@@ -98,7 +98,7 @@ class _Kept:
 
     def __init__(self, part, held: bool) -> None:
         from ._plan import _FOREIGN_REASON
-        from ._report import storages
+        from ._report import storage_bytes
 
         self.counts = {key: len(nodes) for key, nodes in part.kept_nodes.items()}
         self.ids = {key: frozenset(map(id, nodes)) for key, nodes in part.kept_nodes.items()}
@@ -110,7 +110,7 @@ class _Kept:
 
         for key in part.kept_nodes:
             live = [h for group in part.kept_by.get(key, ()) for h in group]
-            self.storages[key] = {k: entry[0] for k, entry in storages(h for h in live if not h.leaf).items()}
+            self.storages[key] = storage_bytes(h for h in live if not h.leaf)
             leaves = [h for h in live if h.leaf]
             if held:
                 self._leaves[key] = [weakref.ref(h) for h in leaves]
@@ -159,7 +159,7 @@ def _trunk_walk(fn, nr, start_supports: dict) -> tuple[dict, dict, _Walked | Non
             return protected, start_supports, None
         walked = _Walked(fn, nr, protected, start_supports)
         if len(protected) <= LEAVE_AT_MOST:
-            fn.metadata[_TRUNK] = walked
+            md[_TRUNK] = walked
         return protected, start_supports, walked
 
 
