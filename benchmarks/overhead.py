@@ -383,8 +383,8 @@ def _heads_rows(r) -> list[dict]:
     later = statistics.median(per[2:])
     return [_row(
         f"`prune_after(loss_k, keep=x)` per head, {r['heads']} heads built one by one on a "
-        f"{r['trunk']}-node trunk (no target): the first prune walks the trunk, the second "
-        "measures it again, later ones read their head only", "—",
+        f"{r['trunk']}-node trunk (no target): the first prune walks and measures the trunk, "
+        "later ones read their head only", "—",
         f"first {per[0] * 1e3:.2f} ms, second {per[1] * 1e3:.2f} ms, later {later * 1e3:.3f} ms",
         f"later / first {later / per[0]:.3f}", "—", None, f"overhead/heads ({r['trunk']}-node trunk)",
         "prune_after")]

@@ -24,10 +24,10 @@ wrappers changes no teardown: the root's node dies first, with its metadata, and
 200k-node chain tore down safely with its walk left (``tests/test_depth.py``).
 
 What the trunk keeps (its nodes and bytes by reason, for the report) is measured by
-the first two prunes and left with the walk by the second: a graph pruned once (two
-heads, a model with one extra loss) does not pay for weak references that only a
-third prune reads. It holds the handles weakly: a pass that did not retain the graph
-frees some with no mark, and the next prune measures again.
+the first prune and left with the walk: a later head's prune (or ``prune_after`` after
+``explain``) reads its head only. It holds the handles weakly (~0.1 µs a handle, what
+a graph pruned once pays for it): a pass that did not retain the graph frees some with
+no mark, and the next prune measures again.
 """
 
 from __future__ import annotations
@@ -46,9 +46,9 @@ LEAVE_AT_MOST = 1 << 16  # nodes of a walk left for later prunes
 
 class _Walked:
     """A protected walk, kept on its root's metadata (without the root), and what its
-    nodes keep, once a second prune has measured it."""
+    nodes keep, once a prune has measured it."""
 
-    __slots__ = ("start", "below", "supports", "own_support", "stale", "kept", "measures", "__weakref__")
+    __slots__ = ("start", "below", "supports", "own_support", "stale", "kept", "__weakref__")
 
     def __init__(self, root, start, protected: dict, supports: dict) -> None:
         self.start = start  # the output number the walk started on, or None: every output
@@ -59,23 +59,19 @@ class _Walked:
         self.own_support = None if own is None else dict(own)  # no node in it
         self.stale = False  # a node of it was released since it ran (``released``)
         self.kept: _Kept | None = None
-        self.measures = 0
         with LOCK:
             _walks.add(self)
 
     def measured(self, classify) -> _Kept:
         """What the nodes below the root keep, by reason: measured again only where a
         handle it counted has gone since (released, or freed by a pass that did not
-        retain the graph). The first measure is not kept: a graph pruned once (one
-        head, or a model with one loss) does not pay for what only a second prune
-        reads. ``classify`` is ``_plan._classify`` with the protected nodes."""
+        retain the graph). ``classify`` is ``_plan._classify`` with the protected nodes."""
         kept = self.kept
         if kept is None or not kept.valid():
-            self.measures += 1
             part = classify(list(self.below))
             # a node whose tensors other hooks or PyTorch hold has no handle to tell
             # that a plain pass freed them: such a trunk is measured at every prune
-            kept = _Kept(part, held=self.measures > 1 and part.kinds <= {TRACKED})
+            kept = _Kept(part, held=part.kinds <= {TRACKED})
             if kept.held:
                 self.kept = kept
         return kept
