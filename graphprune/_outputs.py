@@ -4,8 +4,24 @@
 output recorder notes each output with a ``grad_fn`` as one :class:`Output` (a weak
 reference with the code object and instruction of the user's frame that made it):
 one object per output, no callback, nothing else. Dead references are dropped in
-batches: when the outermost tape closes, if the list has doubled since the last
-time (amortized O(1) per output); when it outgrows its limit; and at each prune.
+batches: those of the last ``TAIL`` outputs once that many were noted (NOTE [ Records
+that die young ]); all of them when the outermost tape closes, if the list has doubled
+since the last time (amortized O(1) per output), when it outgrows its limit, and at
+each prune.
+
+NOTE [ Records that die young ]
+Most outputs of a forward are intermediates that die within a few torch calls (the
+graph holds detached copies of what it saves): their records are dead at once, but a
+record lives until a compaction drops it. One that outlives two young collections of
+Python's cyclic collector joins the old generation, and every full collection then
+walks it, or counts it towards the next one (DESIGN.md fact 14): on a chain of tiny
+ops, three forwards in a row paid ~1.2 µs per torch call for records already dead.
+So every ``TAIL`` records the recorder drops the dead ones among them, before a young
+collection (every 700 objects made) is likely to have seen them, and among those that
+survived the earlier tails while they are at most ``TAIL`` (the output alive at each
+compaction, which dies a call later): a compaction looks at no more than ``2 * TAIL``
+records for ``TAIL`` new ones; survivors past that are left to the compactions of the
+whole list.
 """
 
 from __future__ import annotations
@@ -63,6 +79,7 @@ def _where(code, lasti: int) -> str:
 
 
 _outputs: list[Output] = []
+_weakrefcount = weakref.getweakrefcount
 _limit = [1 << 16]
 _compacting = threading.Lock()
 _library_code: dict[int, bool] = {}  # id of a code object -> inside a library; NOTE [ Code objects as keys ]
@@ -95,7 +112,7 @@ def note_one(t: torch.Tensor, frame=None) -> None:
     it: the first one outside torch and graphprune, from ``frame`` (the torch call's
     caller, if the recorder has it) outwards (none in a TorchScript fork's interop
     thread). This runs for every torch call."""
-    if weakref.getweakrefcount(t) and output_of(t) is not None:  # an op that returned its
+    if _weakrefcount(t) and output_of(t) is not None:  # an op that returned its
         return  # input (in place, ``contiguous()``): noted once, however often
     if frame is None:
         try:
@@ -116,8 +133,8 @@ def note_one(t: torch.Tensor, frame=None) -> None:
     else:
         ref.code, ref.lasti = code, frame.f_lasti
     _outputs.append(ref)  # _append, inlined
-    if len(_outputs) > _limit[0]:
-        _compact()
+    if len(_outputs) > _next[0]:
+        _maintain()
 
 
 def _inside_library(code) -> bool:
@@ -132,8 +149,36 @@ def _inside_library(code) -> bool:
 
 def _append(ref: Output) -> None:
     _outputs.append(ref)
+    if len(_outputs) > _next[0]:
+        _maintain()
+
+
+TAIL = 256  # NOTE [ Records that die young ]
+
+
+def _maintain() -> None:
+    """The list passed ``_next``: compact all of it past its limit, else its tail."""
     if len(_outputs) > _limit[0]:
         _compact()
+    else:
+        _compact_tail()
+
+
+def _compact_tail() -> None:
+    """Drop the dead references among those noted since the last compaction of any
+    kind, and among the survivors of the earlier tails while they are few (NOTE
+    [ Records that die young ]); appends from other threads are kept."""
+    if not _compacting.acquire(blocking=False):
+        return
+    try:
+        start, n = _tail[0], len(_outputs)
+        if start - _kept[0] <= TAIL:
+            start = _kept[0]
+        _outputs[start:n] = [r for r in _outputs[start:n] if r() is not None]
+        _tail[0] = len(_outputs)
+        _next[0] = min(_limit[0], _tail[0] + TAIL)
+    finally:
+        _compacting.release()
 
 
 def _compact() -> None:
@@ -144,22 +189,28 @@ def _compact() -> None:
     try:
         n = len(_outputs)
         _outputs[:n] = [r for r in _outputs[:n] if r() is not None]
-        _kept[0] = len(_outputs)
+        _kept[0] = _tail[0] = len(_outputs)
         _limit[0] = max(1 << 16, 2 * _kept[0])
+        _next[0] = min(_limit[0], _tail[0] + TAIL)
     finally:
         _compacting.release()
 
 
-_kept = [0]  # the list's length after the last compaction
+_kept = [0]  # the list's length after the last compaction of all of it
+_tail = [0]  # its length after the last compaction of any kind: where the tail starts
+_next = [TAIL]  # the length past which an append compacts (the tail, or all past the limit)
 
 
 def settle() -> None:
-    """A tape closed: drop the dead references if the list has doubled since the last
-    compaction (so amortized O(1) per output, however many are held). The records of a
-    forward's intermediates, dead once it returns, then do not stay: memory, and
-    objects for every full collection to walk (DESIGN.md fact 14)."""
+    """A tape closed: drop the dead references, of the whole list if it has doubled
+    since its last compaction, else of its tail (so amortized O(1) per output, however
+    many are held). The records of a forward's intermediates, dead once it returns,
+    then do not stay: memory, and objects for every full collection to walk (DESIGN.md
+    fact 14)."""
     if len(_outputs) > 2 * _kept[0] + 1024:
         _compact()
+    else:
+        _compact_tail()
 
 
 def live() -> list[torch.Tensor]:

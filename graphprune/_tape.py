@@ -33,6 +33,7 @@ _note_one = _outputs.note_one
 _getframe = sys._getframe
 _local = threading.local()  # .tapes: this thread's open tapes, innermost last
 _Tensor = torch.Tensor
+_NO_KWARGS: dict = {}
 _inplace_funcs: dict = {}  # func -> whether it modifies its first argument in place
 _INPLACE_DUNDERS = frozenset(
     f"__i{op}__" for op in ("add", "sub", "mul", "truediv", "floordiv", "mod", "pow",
@@ -70,7 +71,7 @@ class _OutputRecorder(TorchFunctionMode):
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         if kwargs is None:
-            kwargs = {}
+            kwargs = _NO_KWARGS  # unpacked by every callee, never changed
         if _dynamo_compiling() or _compiler._is_compiling_flag:  # traced (Dynamo, export):
             return func(*args, **kwargs)  # stay out of the compiled graph
         if func is _SETITEM and args and type(args[0]) is _Tensor:

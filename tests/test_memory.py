@@ -147,18 +147,40 @@ def test_walked_nodes_die_with_their_graph():
     assert len(sentinels) == 150 and all(r() is None for r in sentinels), "a walked node outlived its graph"
 
 
-def test_a_closed_tape_keeps_no_record_of_the_intermediates_that_died():
-    # A forward's intermediates die as it goes (the graph holds detached copies); their
-    # records (one weak reference each) are dropped when the tape closes, not left for
-    # every full collection to walk until the list outgrows its limit.
+def test_records_of_intermediates_that_died_are_dropped_during_the_forward():
+    # NOTE [ Records that die young ]: within one long forward, not only at its end,
+    # so that they do not outlive Python's young collections
     from graphprune import _outputs
 
+    before = list(_outputs._outputs)
+    known = set(map(id, before))
+    w = torch.ones(4, requires_grad=True)
+    with gp.track():
+        h = w
+        dead = []
+        for i in range(5000):
+            h = h.sin()
+            if i % 500 == 499:
+                dead.append(sum(id(r) not in known and r() is None for r in _outputs._outputs))
+    assert max(dead) <= _outputs.TAIL, dead
+    assert _outputs.output_of(h) is not None
+
+
+def test_a_closed_tape_keeps_no_record_of_the_intermediates_that_died():
+    # A forward's intermediates die as it goes (the graph holds detached copies); their
+    # records (one weak reference each) are dropped as it goes and when the tape closes,
+    # not left for every full collection to walk until the list outgrows its limit.
+    from graphprune import _outputs
+
+    before = list(_outputs._outputs)  # held: their ids stay theirs
+    known = set(map(id, before))
     w = torch.ones(4, requires_grad=True)
     with gp.track():
         h = w
         for _ in range(5000):
             h = h.sin()
-    assert sum(r() is None for r in _outputs._outputs) == 0
+    assert [r for r in _outputs._outputs if id(r) not in known and r() is None] == []
+    assert len(_outputs._outputs) <= len(before) + 1
     assert _outputs.output_of(h) is not None  # the live output is still known
     gp.prune_after(h.sum())  # and still protects nothing it should not: a plain prune
     del h
