@@ -77,7 +77,13 @@ def children(node) -> tuple:
     kids = md.get(_CHILDREN)
     if kids is not None:
         return kids if type(kids) is tuple else (kids,)
-    kids = tuple(filter(None, map(_first, node.next_functions)))
+    return _leave_children(md, node.next_functions)
+
+
+def _leave_children(md: dict, edges: tuple) -> tuple:
+    """Leave the children of the node whose ``metadata`` is ``md``, from its
+    ``next_functions`` ``edges``, there; return them."""
+    kids = tuple(filter(None, map(_first, edges)))
     md[_CHILDREN] = kids[0] if len(kids) == 1 else kids
     return kids
 
@@ -104,11 +110,13 @@ def reach(roots, through_released: bool = True, supports: dict | None = None, st
 
     A walk of fewer than ``DEEP`` nodes leaves nothing on the nodes: no chain it
     wrapped can be longer than the walk. A longer walk leaves every node's children
-    in its metadata (NOTE [ Deep graphs and Python wrappers ]).
+    in its metadata (NOTE [ Deep graphs and Python wrappers ]), from the edges it read
+    (``next_functions`` makes a tuple per edge: read once a node).
     """
     out: dict = {}
     sup: dict = {} if supports is None else supports
     queue: list = []  # breadth-first: read in order while the walk appends
+    read: list = []  # the edges of queue[:len(read)] (None: not read), while the walk is not deep
     deep = False
     limit = DEEP  # the walk's size at which it turns deep; then never again
     rule_of = _routing.BY_TYPE.get  # rule_for, its cache read inline: one lookup per node
@@ -130,15 +138,22 @@ def reach(roots, through_released: bool = True, supports: dict | None = None, st
                     sup[node] = _routing.every_output(node)
         for node in queue:
             if stopping and node in stop:
+                if not deep:
+                    read.append(None)
                 continue
             label = out[node]
             rule = rule_of(type(node), unknown)
             if rule is unknown:
                 rule = rule_for(type(node))
-            if deep and _CHILDREN not in node.metadata:
-                children(node)
             if rule is None:
-                for child, _ in node.next_functions:  # no cache read: the edges never change
+                edges = node.next_functions  # no cache read: the edges never change
+                if deep:
+                    md = node.metadata
+                    if _CHILDREN not in md:
+                        _leave_children(md, edges)
+                else:
+                    read.append(edges)
+                for child, _ in edges:
                     if child is None:
                         continue
                     if child not in out:
@@ -157,6 +172,10 @@ def reach(roots, through_released: bool = True, supports: dict | None = None, st
                     elif child in sup and _widen_all(sup[child], _edge_numbers(node, child)):
                         add(child)
             else:
+                if deep:
+                    children(node)
+                else:
+                    read.append(None)  # the rule reads them
                 for child, nr, support in rule(node, sup[node]):
                     if child not in out:
                         if through_released or RELEASED not in child.metadata:
@@ -170,8 +189,16 @@ def reach(roots, through_released: bool = True, supports: dict | None = None, st
                         add(child)
             if len(out) >= limit:
                 deep, limit = True, float("inf")
-                for walked in out:
+                for walked, edges in zip(queue, read):  # those whose edges it read
+                    md = walked.metadata
+                    if _CHILDREN not in md:
+                        if edges is None:
+                            children(walked)
+                        else:
+                            _leave_children(md, edges)
+                for walked in queue[len(read):]:  # not read yet
                     children(walked)
+                read = None
     return out
 
 

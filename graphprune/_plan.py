@@ -182,14 +182,14 @@ class Plan:
         foreign = kept_nodes.get(_FOREIGN_REASON, []) + (trunk.foreign if trunk else [])
         inputs = inputs_of(foreign) if foreign else None  # NOTE [ What a checkpointed region keeps ]
         trunk_leaves = trunk.leaves() if trunk else {}
-        owned = _graph_owned([*kept_by.values(), by_node.values(), trunk_leaves.values(),
+        owned = _graph_owned([kept_by.values(), by_node.values(), trunk_leaves.values(),
                               [inputs or ()]])  # the branch's are released now
         handles = [h for live in by_node.values() for h in live]
         helds = []  # the kept storages' bytes, by reason
         kept = []
         for key in order:  # every reason, in _reason_rank's order
             nodes = kept_nodes.get(key, ())
-            live = [h for group in kept_by.get(key, ()) for h in group]
+            live = list(kept_by.get(key, ()))
             if trunk is not None:
                 live += trunk_leaves.get(key, ())
             with_inputs = key == _FOREIGN_REASON and bool(inputs)  # graphprune holds those: measured
@@ -421,30 +421,42 @@ def _most_of(a: dict, b: dict) -> dict:
 
 class _Part:
     """What one pass over nodes found: the branch's live handles by node, and the kept
-    nodes and their live handles by reason (a protected root's number, or the text of
-    a kind that graphprune does not hold)."""
+    nodes and their live handles (one list of them) by reason (a protected root's
+    number, or the text of a kind that graphprune does not hold)."""
 
     __slots__ = ("by_node", "kept_nodes", "kept_by", "kinds")
 
     def __init__(self) -> None:
         self.by_node: dict = {}
-        self.kept_nodes: dict = collections.defaultdict(list)
-        self.kept_by: dict = collections.defaultdict(list)
+        self.kept_nodes: dict = {}
+        self.kept_by: dict = {}
         self.kinds: set = set()
+
+    def lists(self, key) -> tuple[list, list]:
+        """The kept nodes and the kept handles of reason ``key``, to append to."""
+        return self.kept_nodes.setdefault(key, []), self.kept_by.setdefault(key, [])
+
+
+_BRANCH = object()  # _classify: a node no protected root reaches
 
 
 def _classify(nodes, protected: dict) -> _Part:
     """Sort ``nodes`` into the branch (a node no protected root reaches, whose tensors
     graphprune holds) and the kept, by reason."""
     part = _Part()
-    by_node, kept_nodes, kept_by, kinds = part.by_node, part.kept_nodes, part.kept_by, part.kinds
-    one_of = saves_one.get
+    by_node, kinds = part.by_node, part.kinds
+    one_of, reason_of = saves_one.get, protected.get
     tracked = False  # a node saved one of graphprune's handles, seen without kinds.add
+    last = _BRANCH  # the last kept reason, and its lists: most runs of nodes share one
+    nodes_of = handles_of = None
     for node in nodes:
         node_type = type(node)
         if node_type in saves_nothing:  # most nodes: nothing to measure, only counted if kept
-            if node in protected:
-                kept_nodes[protected[node]].append(node)
+            key = reason_of(node, _BRANCH)
+            if key is not _BRANCH:
+                if key != last:
+                    last, (nodes_of, handles_of) = key, part.lists(key)
+                nodes_of.append(node)
             continue
         attr, p = one_of(node_type), None
         if attr is not None:  # saved()'s common case, inline: one tensor, in a handle
@@ -469,21 +481,23 @@ def _classify(nodes, protected: dict) -> _Part:
             key = _FOREIGN_REASON
         elif kind is UNTRACKED:
             key = _UNTRACKED_REASON
-        elif node in protected:
-            key = protected[node]
         else:
-            if live:  # no boolean mask released: NOTE [ Masks stay ] in _zero.py
-                if len(live) == 1:
-                    if live[0].tensor.dtype is not _BOOL:
-                        by_node[node] = live
-                else:
-                    live = [h for h in live if h.tensor.dtype is not _BOOL]
-                    if live:
-                        by_node[node] = live
-            continue
+            key = reason_of(node, _BRANCH)
+            if key is _BRANCH:
+                if live:  # no boolean mask released: NOTE [ Masks stay ] in _zero.py
+                    if len(live) == 1:
+                        if live[0].tensor.dtype is not _BOOL:
+                            by_node[node] = live
+                    else:
+                        live = [h for h in live if h.tensor.dtype is not _BOOL]
+                        if live:
+                            by_node[node] = live
+                continue
+        if key != last:
+            last, (nodes_of, handles_of) = key, part.lists(key)
+        nodes_of.append(node)
         if live:
-            kept_by[key].append(live)
-        kept_nodes[key].append(node)
+            handles_of += live
     if tracked:
         kinds.add(TRACKED)
     return part

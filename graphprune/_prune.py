@@ -8,6 +8,7 @@ from collections.abc import Sequence
 
 import torch
 
+from ._collector import walks
 from ._graph import is_accumulator, walk
 from ._plan import Plan, as_outputs
 from ._report import KeptReason, PruneReport
@@ -89,6 +90,11 @@ def prune_after(y: torch.Tensor | Sequence[torch.Tensor], keep=None) -> PruneRep
         ...
         graphprune.errors.ReleasedTensorError: graphprune: a backward pass needs ... of MulBackward0 ...
     """
+    return _prune_after(y, keep)
+
+
+@walks  # till the plan is dropped: NOTE [ The collector and the walk ]
+def _prune_after(y, keep) -> PruneReport:
     plan = Plan("graphprune.prune_after", y, keep)
     report = plan.report("graphprune.prune_after", dry_run=False)
     plan.release()
@@ -112,6 +118,11 @@ def explain(y: torch.Tensor | Sequence[torch.Tensor], keep=None) -> PruneReport:
           kept by the trunk: 16 B
           kept 2 node(s), 16 B: keep: tensor of shape (4,), torch.float32, created at ...
     """
+    return _explain(y, keep)
+
+
+@walks  # till the plan is dropped: NOTE [ The collector and the walk ]
+def _explain(y, keep) -> PruneReport:
     return _remember(Plan("graphprune.explain", y, keep).report("graphprune.explain", dry_run=True))
 
 

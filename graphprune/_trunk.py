@@ -105,7 +105,7 @@ class _Kept:
             gone[0] = True
 
         for key in part.kept_nodes:
-            live = [h for group in part.kept_by.get(key, ()) for h in group]
+            live = part.kept_by.get(key, ())
             self.storages[key] = storage_bytes(h for h in live if not h.leaf)
             leaves = [h for h in live if h.leaf]
             if held:
