@@ -52,8 +52,11 @@ def _measure_chain(nodes: int, repeats: int) -> dict:
 
 
 def _measure_transformer(budget_s: float) -> dict:
+    import torch
+
     from benchmarks import overhead
 
+    torch.set_num_threads(1)  # as the suite's overhead job runs it
     size = dict(overhead.SIZES["quick"], budget_s=budget_s, steps=400)
     r = overhead.run_transformer(size)
     return dict(prune_ms=r["median_s"]["gp_prune"] * 1e3, prune_share=r["prune_share"], steps=r["steps"])

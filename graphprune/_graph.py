@@ -83,6 +83,9 @@ def children(node) -> tuple:
 def _leave_children(md: dict, edges: tuple) -> tuple:
     """Leave the children of the node whose ``metadata`` is ``md``, from its
     ``next_functions`` ``edges``, there; return them."""
+    if len(edges) == 1 and edges[0][0] is not None:  # a chain's node: no tuple to make
+        md[_CHILDREN] = child = edges[0][0]
+        return (child,)
     kids = tuple(filter(None, map(_first, edges)))
     md[_CHILDREN] = kids[0] if len(kids) == 1 else kids
     return kids

@@ -20,12 +20,13 @@ __all__ = [
 ]
 
 
-def storages(handles) -> dict[int, list]:
+def storages(handles, grouped: bool = True) -> dict:
     """``{key: [bytes, handle, ...]}``: the live ``handles`` grouped by the storage
-    behind them (``storage_of``'s key), with the most bytes one of them spans. The
-    storage of several views (``q``, ``k``, ``v`` of one projection, a weight and its
-    transpose) is asked its size once."""
-    out: dict[int, list] = {}
+    behind them (``storage_of``'s key), with the most bytes one of them spans
+    (``grouped=False``: ``{key: bytes}``, no list per storage). The storage of several
+    views (``q``, ``k``, ``v`` of one projection, a weight and its transpose) is asked
+    its size once."""
+    out: dict = {}
     address = torch._C._storage_address
     view_bytes: dict[int, int] = {}
     for h in handles:
@@ -42,6 +43,10 @@ def storages(handles) -> dict[int, list]:
                 key, nbytes = storage_of(h)
         except (RuntimeError, NotImplementedError):
             key, nbytes = storage_of(h)
+        if not grouped:
+            if nbytes > out.get(key, -1):
+                out[key] = nbytes
+            continue
         entry = out.get(key)
         if entry is None:
             out[key] = [nbytes, h]
@@ -54,7 +59,7 @@ def storages(handles) -> dict[int, list]:
 
 def storage_bytes(handles) -> dict[int, int]:
     """``{key: bytes}`` of the distinct storages behind live ``handles`` (:func:`storages`)."""
-    return {key: entry[0] for key, entry in storages(handles).items()}
+    return storages(handles, grouped=False)
 
 
 def unique_bytes(handles: list[SavedHandle]) -> int:

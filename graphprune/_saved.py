@@ -90,7 +90,7 @@ class SavedHandle:
         t = self.tensor
         if t is not None:
             try:
-                shape = tuple(t.shape)  # no torch.Size: a tuple of ints
+                shape = t.shape  # a torch.Size: a tuple of ints
             except RuntimeError:  # a strided nested tensor has no single shape
                 shape = None
             self.meta = (shape, t.dtype, t.device)

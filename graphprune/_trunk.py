@@ -32,6 +32,7 @@ no mark, and the next prune measures again.
 
 from __future__ import annotations
 
+import itertools
 import weakref
 
 from ._graph import LOCK, TRACKED, reach
@@ -106,11 +107,11 @@ class _Kept:
 
         for key in part.kept_nodes:
             live = part.kept_by.get(key, ())
-            self.storages[key] = storage_bytes(h for h in live if not h.leaf)
             leaves = [h for h in live if h.leaf]
+            self.storages[key] = storage_bytes([h for h in live if not h.leaf] if leaves else live)
             if held:
                 self._leaves[key] = [weakref.ref(h) for h in leaves]
-                self._refs += (weakref.ref(h, died) for h in live)
+                self._refs += map(weakref.ref, live, itertools.repeat(died))
             else:  # read once, by this prune
                 self._leaves[key] = leaves
         self.kinds = set(part.kinds)
