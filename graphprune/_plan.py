@@ -241,39 +241,45 @@ class Plan:
             total[key] = max(nbytes, total.get(key, 0))
         return sum(total.values())
 
-    @walks
     def warn(self, call: str) -> None:
-        """Warn (``GraphPruneWarning``, at the user's line) when this call cannot free
-        what it is for: the graph was built outside ``track()``, or it frees under 10%
-        of it for a scalar the user holds that is computed from the losses and looks
-        like no later loss (NOTE [ What keep=None protects ])."""
+        """Show :meth:`warning`'s warning, if any (``GraphPruneWarning``, at the user's line)."""
+        warning = self.warning(call)
+        if warning is not None:
+            warn_at_caller(*warning)
+
+    @walks
+    def warning(self, call: str) -> tuple[str, str] | None:
+        """``(message, kind)`` of the warning this call deserves, or ``None``: it cannot
+        free what it is for, as the graph was built outside ``track()``, or it frees
+        under 10% of it for a scalar the user holds that is computed from the losses and
+        looks like no later loss (NOTE [ What keep=None protects ])."""
         if not self.handles_by_node and TRACKED not in self._kinds and UNTRACKED in self._kinds:
-            warn_at_caller(
+            return (
                 f"{call}: nothing can be released: the graph of "
                 f"{', '.join(_outputs.describe(t) for t in self.outputs)} was built outside "
                 "graphprune.track(), so PyTorch holds its saved tensors. Run the forward "
                 "inside `with graphprune.track():`.",
-                kind=f"{call}: built outside track()",
+                f"{call}: built outside track()",
             )
-            return
         freed = self.report_args["bytes_freed"]
         if not self._losses:
-            return
+            return None
         total = self._graph_total
         if total == 0 or freed >= 0.1 * total:
-            return
+            return None
         held = self._held_by_sums()
-        if held is not None and held[1] > freed:
-            names, blocked = held
-            some = "; ".join(names[:3]) + (f"; and {len(names) - 3} more" if len(names) > 3 else "")
-            warn_at_caller(
-                f"{call} freed {format_bytes(freed)} of the {format_bytes(total)} its graph holds: "
-                f"{format_bytes(blocked)} stays for live scalars you hold that are computed from the "
-                f"losses and that no backward pass has run through: {some}. If no backward pass will "
-                "start from them, detach them (t = t.detach()) or del them before this call; or name "
-                "what later passes start from: keep=[later losses].",
-                kind=f"{call}: held by live sums",
-            )
+        if held is None or held[1] <= freed:
+            return None
+        names, blocked = held
+        some = "; ".join(names[:3]) + (f"; and {len(names) - 3} more" if len(names) > 3 else "")
+        return (
+            f"{call} freed {format_bytes(freed)} of the {format_bytes(total)} its graph holds: "
+            f"{format_bytes(blocked)} stays for live scalars you hold that are computed from the "
+            f"losses and that no backward pass has run through: {some}. If no backward pass will "
+            "start from them, detach them (t = t.detach()) or del them before this call; or name "
+            "what later passes start from: keep=[later losses].",
+            f"{call}: held by live sums",
+        )
 
     def _held_by_sums(self):
         """``(descriptions, bytes)`` of what only the pending losses that have nothing

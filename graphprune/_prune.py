@@ -12,6 +12,7 @@ from ._collector import walks
 from ._graph import is_accumulator, walk
 from ._plan import Plan, as_outputs
 from ._report import KeptReason, PruneReport
+from ._warn import warn_at_caller
 
 __all__ = ["prune_after", "explain", "backward", "grad", "last_report"]
 
@@ -90,16 +91,18 @@ def prune_after(y: torch.Tensor | Sequence[torch.Tensor], keep=None) -> PruneRep
         ...
         graphprune.errors.ReleasedTensorError: graphprune: a backward pass needs ... of MulBackward0 ...
     """
-    return _prune_after(y, keep)
+    report, warning = _prune_after(y, keep)
+    if warning is not None:  # shown with the collector on: showing it may run the user's code
+        warn_at_caller(*warning)
+    return report
 
 
 @walks  # till the plan is dropped: NOTE [ The collector and the walk ]
-def _prune_after(y, keep) -> PruneReport:
+def _prune_after(y, keep) -> tuple[PruneReport, tuple[str, str] | None]:
     plan = Plan("graphprune.prune_after", y, keep)
     report = plan.report("graphprune.prune_after", dry_run=False)
     plan.release()
-    plan.warn("graphprune.prune_after")
-    return _remember(report)
+    return _remember(report), plan.warning("graphprune.prune_after")
 
 
 def explain(y: torch.Tensor | Sequence[torch.Tensor], keep=None) -> PruneReport:

@@ -4,6 +4,8 @@ collector as they found it."""
 import gc
 import sys
 import threading
+import warnings
+import weakref
 
 import pytest
 import torch
@@ -103,3 +105,48 @@ def test_collector_resumes_when_a_walk_raises(restore_gc):
     with pytest.raises(ValueError, match="no grad_fn"):
         gp.prune_after(torch.ones(2, requires_grad=True))
     assert gc.isenabled()
+
+
+def test_the_plan_is_dropped_before_the_collector_resumes(restore_gc):
+    # the young collection the walk made due looks at what outlives the call, not at
+    # the plan's lists and dicts of nodes and handles
+    x, y = _chain(50)
+    y.backward(retain_graph=True)
+    plans = []
+    made = _plan.Plan.__init__
+
+    def keep_a_weak_reference(self, *args, **kwargs):
+        made(self, *args, **kwargs)
+        plans.append(weakref.ref(self))
+
+    alive_at_resume = []
+    unpause = _collector._unpause
+
+    def watch_resume():
+        alive_at_resume.append(sum(ref() is not None for ref in plans))
+        unpause()
+
+    _plan.Plan.__init__, _collector._unpause = keep_a_weak_reference, watch_resume
+    try:
+        gp.explain(y, keep=x)
+        gp.prune_after(y, keep=x)
+    finally:
+        _plan.Plan.__init__, _collector._unpause = made, unpause
+    assert len(plans) == 2
+    assert alive_at_resume[-1] == 0  # the outermost pause, the last to end
+
+
+def test_a_warning_is_shown_with_the_collector_on(restore_gc):
+    w = torch.randn(8, requires_grad=True)
+    y = w.sin().sum()  # built outside track(): prune_after warns that it frees nothing
+    y.backward(retain_graph=True)
+    shown = []
+    with warnings.catch_warnings():
+        warnings.simplefilter("always")
+        original = warnings.showwarning
+        warnings.showwarning = lambda *args, **kwargs: shown.append(gc.isenabled())
+        try:
+            gp.prune_after(y)
+        finally:
+            warnings.showwarning = original
+    assert shown == [True]
