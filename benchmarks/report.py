@@ -135,7 +135,11 @@ _METHOD = """## Method
 
 * **Fresh process per measurement.** Each (workload, strategy) runs in its own process, a
   fork of a runner that has imported torch and graphprune and done nothing else
-  (`--spawn`: a new interpreter instead). {rounds} process(es) per strategy, interleaved
+  (`--spawn`: a new interpreter instead); the jobs that time Python code (the interleaved
+  timing, the tracking overhead, the scaling) always run in a new interpreter, as a
+  forked child pays a copy-on-write page fault at its first write to each page it
+  inherited, call after call (NOTE [ Timed in a new interpreter ] in
+  `benchmarks/worker.py`). {rounds} process(es) per strategy, interleaved
   round by round so that noise from other load on the machine hits all strategies alike;
   {repeats} measured step(s) per process after one warm-up step. torch runs {threads}
   thread(s).

@@ -2,8 +2,21 @@
 
 Prints one JSON object on stdout.  The suite runner (``python -m benchmarks``) uses
 :func:`run_isolated`, which forks a child of an interpreter that has imported torch
-and nothing else yet (same isolation, ~1.5 s less per job); ``--spawn`` uses this
-module's command line instead.
+and nothing else yet (same isolation, ~1.5 s less per job) for the memory jobs, and
+runs this module's command line (a new interpreter) for the jobs that time Python
+code (NOTE [ Timed in a new interpreter ]); ``--spawn`` uses it for every job.
+
+NOTE [ Timed in a new interpreter ]
+A forked child shares its parent's memory copy-on-write: the first write to a page
+it inherited (a reference count, a garbage collector's header, of torch's or
+graphprune's objects) copies that page, a minor fault of a few µs. A child's code
+pays that on each page it touches for the first time, call after call: ``explain``
+on a 1k-node chain met 870, 253, 137, then 30-90 faults per call over eight calls
+in a forked child (3.4-7.4 µs per node), and none after the second call in a new
+interpreter (3.0). Nothing real runs as such a child, so the jobs that time Python
+code per call or per node (``timing``, ``scaling``, ``overhead``) run in a new
+interpreter; the memory jobs, which read the kernel's counters after a warm-up step,
+stay forks.
 
 Memory method (CPU): ``MALLOC_MMAP_THRESHOLD_=65536`` must be set before the process
 starts (DESIGN.md fact 11), so every tensor buffer is its own mmap and freeing it
@@ -274,9 +287,14 @@ def run_timing(job: dict) -> dict:
     return dict(job=job, ok=True, times_s=times, median_s=med, paired_ratio=ratios)
 
 
+# NOTE [ Timed in a new interpreter ]
+TIMED_IN_A_NEW_INTERPRETER = frozenset({"timing", "scaling", "overhead"})
+
+
 def run_isolated(job: dict, spawn: bool = False, timeout: float = 900) -> dict:
     """Run ``job`` in a fresh process (a fork of this one, or a new interpreter)."""
-    if spawn or not hasattr(os, "fork") or job.get("device") == "cuda":
+    if (spawn or job["kind"] in TIMED_IN_A_NEW_INTERPRETER or not hasattr(os, "fork")
+            or job.get("device") == "cuda"):
         import subprocess
 
         proc = subprocess.run(

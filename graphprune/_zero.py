@@ -6,9 +6,9 @@ task) make ``losses[1].backward()`` run head 0's nodes too, with all-zero incomi
 gradients (DESIGN.md fact 9). Plain PyTorch computes zeros there; a released node
 has no tensors left. Backward functions are linear in the incoming gradient, so
 zero in means zero out. A released node gets one pre-hook, which sees the incoming
-gradients before the node runs: any non-zero one raises
-:class:`ReleasedTensorError` there, before a kernel could run on a placeholder, so
-never a wrong gradient and never a kernel's own error. All-zero ones mark the node
+gradients before the node runs (NOTE [ A guard registered when first needed ]): any
+non-zero one raises :class:`ReleasedTensorError` there, before a kernel could run on
+a placeholder, so never a wrong gradient and never a kernel's own error. All-zero ones mark the node
 for this graph task: the unpack hook then hands it a placeholder for each released
 tensor, and a post-hook (registered by the pre-hook the first time, the engine
 calls it in the same pass) replaces its outputs with zeros, as the placeholder may
@@ -18,6 +18,18 @@ keyed by (the node's wrapper, graph task), so a pass that raised midway or anoth
 thread's pass never sees a stale mark. Placeholders of floating tensors are
 zero-stride (no memory); integer ones are contiguous zeros (indices: 0 is valid along
 any dim that is not empty), or ones for LU pivots, which are 1-based.
+
+NOTE [ A guard registered when first needed ]
+``Node.register_prehook`` makes Python objects for every node it is called on (an
+``OrderedDict`` of hooks, a ``RemovableHandle``): ~1-1.5 µs of a prune per released
+node, and a dict that lives as long as the node, for a pre-hook that most released
+nodes never run. So a prune gives each released node a tensor pre-hook instead,
+registered in C++ from one dict shared by every node (``_register_hook_dict``, as
+``Tensor.register_hook`` does), on the node's first output: the engine calls it every
+time it runs the node, before the node's own pre-hooks, with that output's gradient
+(``None`` where there is none). Its first call registers the node's pre-hook, which
+the engine then calls in the same run, after every tensor hook (a user's hook that
+changes a gradient included), with all the incoming gradients.
 
 NOTE [ Masks stay ]
 A boolean mask decides the shape of what it indexes (``logits[mask]``, ``z[mask] =
@@ -150,7 +162,22 @@ def guard_released(node, md=None) -> None:
         md = node.metadata
     if GUARDED not in md:
         md[GUARDED] = True
+        node._register_hook_dict(_PROBE)  # NOTE [ A guard registered when first needed ]
+
+
+def _first_run(grad) -> None:
+    """The tensor pre-hook of every released node's first output: register the node's
+    pre-hook the first time the node runs (NOTE [ A guard registered when first needed ])."""
+    node = torch._C._current_autograd_node()
+    md = node.metadata
+    if _CHECKED not in md:
+        md[_CHECKED] = True
         node.register_prehook(_zero_or_raise)
+
+
+_CHECKED = "graphprune.checked"  # node.metadata key: its pre-hook is registered
+_PROBE = torch.empty(0, requires_grad=True)  # its hooks: the dict every released node shares
+_PROBE._backward_hooks = {0: _first_run}
 
 
 def in_zero_pass(node) -> bool:

@@ -45,6 +45,39 @@ def test_stacked_losses_each_backward_matches_plain(name):
         assert report.released_tensors >= 1
 
 
+def _pruned_head_0(w):
+    """Two stacked heads, head 0 (``sin`` of ``x``: its node saves ``x``) backpropagated
+    and pruned; returns ``(losses, the output of head 0's released node)``."""
+    with gp.track():
+        x = w.exp()
+        s = x.sin()
+        losses = torch.stack([s.sum(), (x * x).sum()])
+    losses[0].backward(retain_graph=True)
+    gp.prune_after(losses[0])
+    return losses, s
+
+
+def test_the_guard_sees_the_gradient_a_user_hook_made_nonzero():
+    # NOTE [ A guard registered when first needed ]: the check runs after every tensor
+    # hook, one the user registered after the prune included: plain PyTorch would
+    # compute with this gradient, which the released node can no longer do
+    w = torch.linspace(0.1, 0.9, 4).requires_grad_()
+    losses, s = _pruned_head_0(w)
+    s.register_hook(lambda g: g + 1)
+    with pytest.raises(gp.ReleasedTensorError, match="SinBackward0"):
+        losses[1].backward(retain_graph=True)
+
+
+def test_the_guard_sees_the_gradient_a_user_hook_made_zero():
+    w0 = torch.linspace(0.1, 0.9, 4)
+    w = w0.clone().requires_grad_()
+    losses, s = _pruned_head_0(w)
+    s.register_hook(torch.zeros_like)
+    w.grad = None
+    losses.sum().backward()  # head 0 gets ones, which the hook makes zeros
+    assert_close(w.grad, 2 * w0.exp() ** 2)  # head 1's alone, as in plain PyTorch
+
+
 def test_nonzero_gradient_into_released_node_still_raises():
     w = torch.linspace(0.1, 0.9, 4).requires_grad_()
     with gp.track():
