@@ -176,8 +176,18 @@ def _first_run(grad) -> None:
 
 
 _CHECKED = "graphprune.checked"  # node.metadata key: its pre-hook is registered
-_PROBE = torch.empty(0, requires_grad=True)  # its hooks: the dict every released node shares
-_PROBE._backward_hooks = {0: _first_run}
+
+
+def _probe() -> torch.Tensor:
+    """A tensor whose hooks are the dict every released node shares; a normal CPU
+    tensor whatever mode or default device ``import graphprune`` ran under."""
+    with torch.inference_mode(False):
+        probe = torch.empty(0, device="cpu")
+    probe._backward_hooks = {0: _first_run}
+    return probe
+
+
+_PROBE = _probe()
 
 
 def in_zero_pass(node) -> bool:

@@ -13,6 +13,8 @@ from torch.testing import assert_close
 
 import graphprune as gp
 
+from _subprocess import run_script
+
 HEADS = {
     "sin": lambda x: x.sin().sum(),
     "div": lambda x: (x / (x - 0.5)).sum(),  # on zero placeholders: 0 / 0 = NaN
@@ -322,3 +324,31 @@ def test_a_prune_frees_no_boolean_mask_and_counts_none():
     report = gp.prune_after(l0)
     assert report.released_nodes == {"ExpBackward0": 1}
     assert report.bytes_freed == 4 * int((x > 0).sum())  # the exp's result, not the mask's 1000 B
+
+
+def test_graphprune_imported_under_inference_mode_and_a_default_device_still_guards():
+    # the shared hooks of NOTE [ A guard registered when first needed ] hang on a tensor
+    # made at import: whatever mode or default device the import ran under
+    out = run_script(
+        """
+        import json, torch
+        with torch.inference_mode(), torch.device("meta"):
+            import graphprune as gp
+        w = torch.linspace(0.1, 0.9, 4).requires_grad_()
+        with gp.track():
+            x = w.exp()
+            losses = torch.stack([x.sin().sum(), (x * x).sum()])
+        losses[0].backward(retain_graph=True)
+        released = gp.prune_after(losses[0]).released_tensors
+        w.grad = None
+        losses[1].backward(retain_graph=True)  # a zero pass through the released head
+        try:
+            losses.sum().backward()
+            raised = False
+        except gp.ReleasedTensorError:
+            raised = True
+        print(json.dumps(dict(released=released, grad=w.grad.tolist(), raised=raised)))
+        """
+    )
+    assert out["released"] >= 1 and out["raised"]
+    assert_close(torch.tensor(out["grad"]), 2 * torch.linspace(0.1, 0.9, 4).exp() ** 2)
