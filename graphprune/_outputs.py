@@ -168,29 +168,32 @@ def _compact_tail() -> None:
     """Drop the dead references among those noted since the last compaction of any
     kind, and among the survivors of the earlier tails while they are few (NOTE
     [ Records that die young ]); appends from other threads are kept."""
-    if not _compacting.acquire(blocking=False):
-        return
-    try:
-        start, n = _tail[0], len(_outputs)
-        if start - _kept[0] <= TAIL:
-            start = _kept[0]
-        _outputs[start:n] = [r for r in _outputs[start:n] if r() is not None]
-        _tail[0] = len(_outputs)
-        _next[0] = min(_limit[0], _tail[0] + TAIL)
-    finally:
-        _compacting.release()
+    _drop_dead(whole=False)
 
 
 def _compact() -> None:
     """Drop dead references; appends from other threads during it are kept. The list
     may then double before an append compacts it again."""
+    _drop_dead(whole=True)
+
+
+def _drop_dead(whole: bool) -> None:
+    """Drop the dead references of the whole list, or of its tail (:func:`_compact_tail`)."""
     if not _compacting.acquire(blocking=False):
         return
     try:
         n = len(_outputs)
-        _outputs[:n] = [r for r in _outputs[:n] if r() is not None]
-        _kept[0] = _tail[0] = len(_outputs)
-        _limit[0] = max(1 << 16, 2 * _kept[0])
+        if whole:
+            start = 0
+        elif _tail[0] - _kept[0] <= TAIL:  # the earlier tails' survivors are few: them too
+            start = _kept[0]
+        else:
+            start = _tail[0]
+        _outputs[start:n] = [r for r in _outputs[start:n] if r() is not None]
+        _tail[0] = len(_outputs)
+        if whole:
+            _kept[0] = _tail[0]
+            _limit[0] = max(1 << 16, 2 * _kept[0])
         _next[0] = min(_limit[0], _tail[0] + TAIL)
     finally:
         _compacting.release()
