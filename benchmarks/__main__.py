@@ -94,7 +94,7 @@ def main(argv=None):
     if not args.no_scaling:
         jobs += scaling.jobs(level, args.threads)
     if not args.no_overhead:
-        jobs += overhead.jobs(level)
+        jobs += overhead.jobs(level, args.device)
 
     try:
         from tqdm import tqdm

@@ -17,6 +17,9 @@ one thread, every comparison plain vs ``graphprune.track()`` in that one process
   of the prune.  Each step ends by dropping its tensors (timed, in all).  Steps rotate
   until a time budget is spent; ratios are paired medians, prune_after's share is the
   median of prune / its ``l1`` backward.
+* ``transformer_cuda`` -- with ``--device cuda`` only: the transformer steps on the GPU,
+  every timer read after ``torch.cuda.synchronize()`` (the kernels a step launched are
+  in its time), reported in rows marked so.
 * ``memory``      -- a chain of ``n`` muls under ``tracemalloc``: traced Python memory
   held after a tracked forward minus after an identical plain one, per node.  Only
   Python allocations are traced; the tensors are the same in both and cancel out.
@@ -33,6 +36,7 @@ benchmarks.overhead [--quick|--tiny]`` runs these jobs alone and prints the tabl
 from __future__ import annotations
 
 import argparse
+import functools
 import gc
 import statistics
 import sys
@@ -48,6 +52,7 @@ import graphprune as gp
 from .scaling import floor_walk
 
 PARTS = ("chain", "transformer", "memory", "heads")
+CUDA_PARTS = ("transformer_cuda",)  # with --device cuda, besides PARTS (which stay on the CPU)
 # the targets (reported, never asserted)
 CALL_US, STEADY_US = 4.0, 5.0  # µs per torch call over plain: one forward, steady state
 FWD_X, STEP_X, PRUNE_SHARE = 1.15, 1.05, 0.04  # transformer: forward, step, prune / backward
@@ -64,9 +69,12 @@ SIZES = {
 }
 
 
-def jobs(level: str) -> list[dict]:
-    """The overhead jobs of a suite level, one per part."""
-    return [dict(kind="overhead", part=p, level=level, threads=1) for p in PARTS]
+def jobs(level: str, device: str = "cpu") -> list[dict]:
+    """The overhead jobs of a suite level, one per part, and on ``device="cuda"`` the
+    transformer's steps on the GPU besides."""
+    parts = PARTS + (CUDA_PARTS if device == "cuda" else ())
+    return [dict(kind="overhead", part=p, level=level, threads=1,
+                 **({"device": "cuda"} if p in CUDA_PARTS else {})) for p in parts]
 
 
 def run_overhead(job: dict) -> dict:
@@ -74,7 +82,8 @@ def run_overhead(job: dict) -> dict:
     torch.manual_seed(0)
     size = SIZES[job["level"]]
     run = {"chain": run_chain, "transformer": run_transformer, "memory": run_memory,
-           "heads": run_heads}[job["part"]]
+           "heads": run_heads, "transformer_cuda": functools.partial(run_transformer, device="cuda")
+           }[job["part"]]
     t0 = time.perf_counter()
     out = run(size)
     return dict(job=job, ok=True, gp_file=gp.__file__, elapsed_s=time.perf_counter() - t0, **out)
@@ -217,44 +226,54 @@ def run_chain(size) -> dict:
 
 # -- the small transformer ------------------------------------------------------------
 class _Model:
-    def __init__(self, s):
+    def __init__(self, s, device: str = "cpu"):
         def layer():
-            return nn.TransformerEncoderLayer(s["d"], s["heads"], s["ff"], dropout=0.0, batch_first=True)
+            return nn.TransformerEncoderLayer(s["d"], s["heads"], s["ff"], dropout=0.0, batch_first=True,
+                                              device=device)
 
         self.trunk = nn.Sequential(*[layer() for _ in range(4)])
         self.head1, self.head2 = layer(), layer()
         self.params = [p for m in (self.trunk, self.head1, self.head2) for p in m.parameters()]
-        self.inp = torch.randn(s["batch"], s["seq"], s["d"])
+        self.inp = torch.randn(s["batch"], s["seq"], s["d"], device=device)
 
     def forward(self):
         x = self.trunk(self.inp)
         return x, self.head1(x).square().mean(), self.head2(x).square().mean()
 
 
+def _synced_clock() -> float:
+    """``time.perf_counter()`` once the GPU has run every kernel launched so far."""
+    torch.cuda.synchronize()
+    return time.perf_counter()
+
+
+_clock = time.perf_counter  # the steps' timer: _synced_clock for the transformer on CUDA
+
+
 def _plain_step(m) -> dict:
-    t0 = time.perf_counter()
+    t0 = _clock()
     x, l1, l2 = m.forward()
-    t1 = time.perf_counter()
+    t1 = _clock()
     l1.backward(retain_graph=True)
-    t2 = time.perf_counter()
+    t2 = _clock()
     l2.backward()
     del x, l1, l2
-    t3 = time.perf_counter()
+    t3 = _clock()
     return dict(fwd=t1 - t0, bwd1=t2 - t1, step=t3 - t0)
 
 
 def _gp_step(m) -> dict:
-    t0 = time.perf_counter()
+    t0 = _clock()
     with gp.track():
         x, l1, l2 = m.forward()
-    t1 = time.perf_counter()
+    t1 = _clock()
     l1.backward(retain_graph=True)
-    t2 = time.perf_counter()
+    t2 = _clock()
     gp.prune_after(l1, keep=x)
-    t3 = time.perf_counter()
+    t3 = _clock()
     l2.backward()
     del x, l1, l2
-    t4 = time.perf_counter()
+    t4 = _clock()
     return dict(fwd=t1 - t0, bwd1=t2 - t1, prune=t3 - t2, step=t4 - t0)
 
 
@@ -262,16 +281,16 @@ def _floor_step(m) -> dict:
     """The step any tracker of this kind pays at least: the forward under the floor's
     mode and hooks (``_lean``), and in place of the prune one walk that reads each
     node's saved objects (``scaling.floor_walk``, which makes the wrappers as a prune does)."""
-    t0 = time.perf_counter()
+    t0 = _clock()
     x, l1, l2 = _lean(m.forward)
-    t1 = time.perf_counter()
+    t1 = _clock()
     l1.backward(retain_graph=True)
-    t2 = time.perf_counter()
+    t2 = _clock()
     floor_walk(l1.grad_fn)
-    t3 = time.perf_counter()
+    t3 = _clock()
     l2.backward()
     del x, l1, l2
-    t4 = time.perf_counter()
+    t4 = _clock()
     return dict(fwd=t1 - t0, bwd1=t2 - t1, prune=t3 - t2, step=t4 - t0)
 
 
@@ -289,19 +308,29 @@ def _touched(m, rounds: int) -> dict:
             x, l1, l2 = m.forward()
         l1.backward(retain_graph=True)
         floor_walk(l1.grad_fn)
-        t0 = time.perf_counter()
+        t0 = _clock()
         if rnd % 2:
             floor_walk(l1.grad_fn)
         else:
             gp.prune_after(l1, keep=x)
-        out["walk" if rnd % 2 else "prune"].append(time.perf_counter() - t0)
+        out["walk" if rnd % 2 else "prune"].append(_clock() - t0)
         l2.backward()
         del x, l1, l2
     return {k: statistics.median(v) for k, v in out.items()}
 
 
-def run_transformer(size) -> dict:
-    m = _Model(size)
+def run_transformer(size, device: str = "cpu") -> dict:
+    global _clock
+    if device == "cuda" and not torch.cuda.is_available():
+        raise RuntimeError("overhead/transformer_cuda: no CUDA device is available here")
+    _clock = _synced_clock if device == "cuda" else time.perf_counter
+    try:
+        return _run_transformer(_Model(size, device), size)
+    finally:
+        _clock = time.perf_counter
+
+
+def _run_transformer(m: _Model, size) -> dict:
     counts = census(lambda: m.forward())
     steps = [("plain", _plain_step), ("gp", _gp_step), ("floor", _floor_step)]
     runs = {name: [] for name, _ in steps}
@@ -441,35 +470,36 @@ def _chain_rows(r) -> list[dict]:
     return rows
 
 
-def _transformer_rows(r) -> list[dict]:
+def _transformer_rows(r, cuda: bool = False) -> list[dict]:
     m = r["median_s"]
-    wl = f"overhead/transformer ({r['steps']} paired steps)"
+    on = " on CUDA, each timer read after `torch.cuda.synchronize()`" if cuda else ""
+    wl = f"overhead/transformer{'_cuda' if cuda else ''} ({r['steps']} paired steps)"
     rows = [
-        _row("small transformer, forward (4-layer trunk + 2 one-layer heads)",
+        _row(f"small transformer{on}, forward (4-layer trunk + 2 one-layer heads)",
              f"{m['plain_fwd'] * 1e3:.1f} ms", f"{m['gp_fwd'] * 1e3:.1f} ms", f"{r['fwd_ratio']:.3f}x",
              f"≤ {FWD_X:g}x",
              r["fwd_ratio"] <= FWD_X, wl),
-        _row("small transformer, step vs plain `retain_graph=True`", f"{m['plain_step'] * 1e3:.1f} ms",
+        _row(f"small transformer{on}, step vs plain `retain_graph=True`", f"{m['plain_step'] * 1e3:.1f} ms",
              f"{m['gp_step'] * 1e3:.1f} ms", f"{r['step_ratio']:.3f}x", f"≤ {STEP_X:g}x",
              r["step_ratio"] <= STEP_X, wl),
-        _row("`prune_after(l1, keep=x)` / the `l1` backward it follows",
+        _row(f"`prune_after(l1, keep=x)` / the `l1` backward it follows{on}",
              f"backward {m['gp_bwd1'] * 1e3:.1f} ms", f"prune {m['gp_prune'] * 1e3:.2f} ms",
              f"{r['prune_share'] * 100:.1f}%", f"≤ {PRUNE_SHARE:.0%}", r["prune_share"] <= PRUNE_SHARE, wl,
              "prune_after"),
     ]
     if "floor_step_ratio" in r:  # the machine's floor: the chain's mode and hook, one bare walk
         rows.append(_row(
-            "the floor on this machine (no target): forward under a no-op `TorchFunctionMode` and a "
-            "pack hook that detaches; step with one walk reading the saved objects in place of the "
-            "prune; that walk / the `l1` backward", f"{m['plain_fwd'] * 1e3:.1f} ms / "
+            f"the floor on this machine{on} (no target): forward under a no-op `TorchFunctionMode` "
+            "and a pack hook that detaches; step with one walk reading the saved objects in place of "
+            "the prune; that walk / the `l1` backward", f"{m['plain_fwd'] * 1e3:.1f} ms / "
             f"{m['plain_step'] * 1e3:.1f} ms", f"floor {m['floor_fwd'] * 1e3:.1f} ms / "
             f"{m['floor_step'] * 1e3:.1f} ms / walk {m['floor_prune'] * 1e3:.2f} ms",
             f"{r['floor_fwd_ratio']:.3f}x / {r['floor_step_ratio']:.3f}x / "
             f"{r['floor_prune_share'] * 100:.1f}%", "—", None, wl, "floor"))
     if "touched_prune" in m:  # how much of each is the first touch of a fresh graph's objects
         rows.append(_row(
-            "where the prune's time goes (no target): the prune and the bare walk on a fresh graph "
-            "(as above), and on a graph that one bare walk has read already",
+            f"where the prune's time goes{on} (no target): the prune and the bare walk on a fresh "
+            "graph (as above), and on a graph that one bare walk has read already",
             f"walk {m['floor_prune'] * 1e3:.2f} ms / read before {m['touched_walk'] * 1e3:.2f} ms",
             f"prune {m['gp_prune'] * 1e3:.2f} ms / read before {m['touched_prune'] * 1e3:.2f} ms",
             f"{m['touched_prune'] / m['gp_prune']:.2f}x / {m['touched_walk'] / m['floor_prune']:.2f}x",
@@ -505,8 +535,8 @@ def _scaling_rows(scaling) -> list[dict]:
 def rows(overhead: dict, scaling: list) -> list[dict]:
     """Table rows from the overhead jobs' results (``part -> result``) and the scaling rows."""
     make = {"chain": _chain_rows, "transformer": _transformer_rows, "memory": _memory_rows,
-            "heads": _heads_rows}
-    out = [r for part in PARTS if part in overhead for r in make[part](overhead[part])]
+            "heads": _heads_rows, "transformer_cuda": functools.partial(_transformer_rows, cuda=True)}
+    out = [r for part in PARTS + CUDA_PARTS if part in overhead for r in make[part](overhead[part])]
     return out + _scaling_rows(scaling)
 
 
@@ -518,19 +548,29 @@ def census_line(overhead: dict) -> str:
 
 # -- running the overhead jobs alone ---------------------------------------------------
 def main(argv=None) -> int:
-    """``python -m benchmarks.overhead [--quick|--tiny]``: the overhead jobs and the chain
-    scaling jobs in fresh processes; prints the "Tracking overhead" section."""
+    """``python -m benchmarks.overhead [--quick|--tiny] [--device cuda] [--parts a,b]``: the
+    overhead jobs and the chain scaling jobs in fresh processes; prints the "Tracking
+    overhead" section."""
     p = argparse.ArgumentParser(prog="python -m benchmarks.overhead", description=main.__doc__)
     lvl = p.add_mutually_exclusive_group()
     lvl.add_argument("--quick", action="store_true")
     lvl.add_argument("--tiny", action="store_true")
     p.add_argument("--no-scaling", action="store_true", help="skip the chain scaling jobs")
+    p.add_argument("--device", default="cpu", choices=["cpu", "cuda"],
+                   help="cuda: the transformer's steps on the GPU too (transformer_cuda)")
+    p.add_argument("--parts", help=f"only these parts, comma-separated ({', '.join(PARTS + CUDA_PARTS)})")
     args = p.parse_args(argv)
     level = "tiny" if args.tiny else "quick" if args.quick else "full"
+    if args.device == "cuda" and not torch.cuda.is_available():
+        p.error("--device cuda: no CUDA device is available here")
+    wanted = set(args.parts.split(",")) if args.parts else None
+    if wanted and not wanted <= set(PARTS + CUDA_PARTS):
+        p.error(f"--parts: unknown {', '.join(sorted(wanted - set(PARTS + CUDA_PARTS)))}")
     from . import report, scaling
     from .worker import run_isolated
 
-    todo = jobs(level) + ([] if args.no_scaling else scaling.jobs(level, 1, shapes=["chain"]))
+    todo = [j for j in jobs(level, args.device) if wanted is None or j["part"] in wanted]
+    todo += [] if args.no_scaling else scaling.jobs(level, 1, shapes=["chain"])
     print(f"graphprune: {gp.__file__}", file=sys.stderr)
     results = []
     for job in todo:

@@ -42,7 +42,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from . import _routing
-from ._marks import RELEASED, STRAYS, node_name
+from ._marks import RELEASED, STRAYS, node_name, none_released
 from ._routing import ALL
 from ._saved import SavedHandle
 
@@ -129,6 +129,8 @@ def reach(roots, through_released: bool = True, supports: dict | None = None, st
     never_released = saves_nothing
     stopping = stop is not None
     with LOCK:
+        if not through_released and none_released():  # no metadata to read: NOTE [ No node released ]
+            through_released = True
         for i, node in enumerate(roots):
             if node is not None and node not in out:
                 if not through_released and RELEASED in node.metadata:

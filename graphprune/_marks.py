@@ -6,12 +6,35 @@ no object of graphprune's own and can never outlive the node (DESIGN.md fact 3).
 
 from __future__ import annotations
 
-__all__ = ["RELEASED", "FINISHED", "GUARDED", "STRAYS", "node_name"]
+import weakref
+
+__all__ = ["RELEASED", "FINISHED", "GUARDED", "STRAYS", "node_name", "marking_released", "none_released"]
 
 RELEASED = "graphprune.released"  # lost saved tensors to a prune; the value says which call
 FINISHED = "graphprune.finished"  # the root of a pruned output: it protects nothing any more
 GUARDED = "graphprune.guarded"  # zero-gradient passes may run it (NOTE in _zero.py)
 STRAYS = "graphprune.strays"  # a CopySlices: weak references to its hidden node's handles
+
+
+# NOTE [ No node released ]
+# A walk that stops at released nodes asks each node that saves tensors for its
+# metadata, and a node's first ``metadata`` read makes its dict: a quarter of the walk
+# of a fresh transformer trunk. A released node's metadata holds the reason it was
+# released under ``RELEASED``, and every reason written there is in ``_marked`` (weakly)
+# while it lives: while the set is empty no live node carries the mark, and such a
+# walk reads no metadata. Handles and plans that hold a reason only keep it longer.
+_marked: weakref.WeakSet = weakref.WeakSet()
+
+
+def marking_released(reason) -> None:
+    """``reason`` (an object that takes a weak reference) is about to be written on
+    nodes as their ``RELEASED`` mark (NOTE [ No node released ])."""
+    _marked.add(reason)
+
+
+def none_released() -> bool:
+    """Whether no live node is marked released (NOTE [ No node released ])."""
+    return not _marked
 
 
 def node_name(node) -> str:

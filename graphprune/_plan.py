@@ -27,7 +27,7 @@ from ._graph import (
     saves_nothing,
     saves_one,
 )
-from ._marks import FINISHED, RELEASED
+from ._marks import FINISHED, RELEASED, marking_released
 from ._report import (
     KeptReason,
     PruneReport,
@@ -352,8 +352,9 @@ class Plan:
         self._zero_keys.clear()
 
     @staticmethod
-    def _mark_released(nodes, reason: str) -> None:
+    def _mark_released(nodes, reason: Release) -> None:
         """Let zero-gradient passes through these nodes; stop protection walks there."""
+        marking_released(reason)
         for node in nodes:
             md = node.metadata
             md[RELEASED] = reason
@@ -622,7 +623,7 @@ class Release:
     """Why handles were released: the call, as text, and the live tensors a later
     pass may have started from, to name in the error that pass meets."""
 
-    __slots__ = ("text", "_candidates")
+    __slots__ = ("text", "_candidates", "__weakref__")  # weakly: NOTE [ No node released ]
 
     def __init__(self, text: str, candidates: list) -> None:
         self.text = text

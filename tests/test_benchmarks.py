@@ -10,8 +10,10 @@ import os
 import re
 import subprocess
 import sys
+import time
 
 import pytest
+import torch
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
@@ -107,3 +109,34 @@ def test_compare_prune_reports_each_checkout(capsys):
     numbers = re.fullmatch(rf"{re.escape(ROOT)}: explain_us_per_node (\S+), prune_us_per_node (\S+)", line)
     assert numbers is not None, line
     assert all(float(v) > 0 for v in numbers.groups())
+
+
+def test_cuda_adds_the_transformer_steps_on_the_gpu_marked_as_synchronised():
+    from benchmarks import overhead
+
+    assert [j["part"] for j in overhead.jobs("tiny")] == list(overhead.PARTS)
+    cuda = [j for j in overhead.jobs("tiny", "cuda") if j.get("device") == "cuda"]
+    assert [j["part"] for j in cuda] == ["transformer_cuda"]
+    result = overhead.run_overhead(dict(kind="overhead", part="transformer", level="tiny", threads=1))
+    rows = overhead.rows({"transformer_cuda": result}, [])
+    targets = [r for r in rows if r["ok"] is not None]
+    assert len(targets) == 3 and all("torch.cuda.synchronize()" in r["measure"] for r in rows)
+    assert all(r["workload"].startswith("overhead/transformer_cuda") for r in rows)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_transformer_cuda_job_times_synchronised_steps():
+    from benchmarks import overhead
+
+    r = overhead.run_overhead(dict(kind="overhead", part="transformer_cuda", level="tiny", threads=1,
+                                   device="cuda"))
+    assert r["ok"] and r["steps"] >= 3 and overhead._clock is time.perf_counter
+    assert 0 < r["prune_share"] and r["step_ratio"] > 0
+
+
+def test_transformer_cuda_job_says_when_there_is_no_gpu(monkeypatch):
+    from benchmarks import overhead
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    with pytest.raises(RuntimeError, match="no CUDA device"):
+        overhead.run_transformer(overhead.SIZES["tiny"], device="cuda")

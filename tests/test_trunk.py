@@ -377,3 +377,38 @@ def test_the_walk_left_on_a_node_holds_no_reference_to_that_node():
 
 class _Marker:
     pass
+
+
+def test_no_node_is_released_once_the_released_graphs_are_gone():
+    """NOTE [ No node released ] (``_marks.py``): the mark's reasons are held by the nodes
+    that carry them, so the set empties with the last of those nodes."""
+    from graphprune import _marks
+
+    gc.collect()
+    assert _marks.none_released()
+    w = torch.ones(4, requires_grad=True)
+    with gp.track():
+        x = w.exp()
+        y1 = x.sin().sum()
+    y1.backward(retain_graph=True)
+    gp.explain(y1, keep=x)
+    assert _marks.none_released()  # explain marks nothing
+    gp.prune_after(y1, keep=x)
+    assert not _marks.none_released()
+    del x, y1
+    gc.collect()
+    assert _marks.none_released()
+
+
+def test_a_walk_that_stops_at_released_nodes_stops_while_one_lives():
+    w = torch.ones(4, requires_grad=True)
+    with gp.track():
+        x = w.exp()
+        y1 = x.sin().sum()
+    y1.backward(retain_graph=True)
+    gp.prune_after(y1, keep=x)
+    sin = y1.grad_fn.next_functions[0][0]
+    skipped = []
+    walked = _graph.reach([y1.grad_fn], through_released=False, skipped=skipped)
+    assert skipped == [sin] and sin not in walked
+    assert x.grad_fn in _graph.reach([y1.grad_fn])  # through it, as a walk from y goes
