@@ -139,7 +139,10 @@ _METHOD = """## Method
   timing, the tracking overhead, the scaling) always run in a new interpreter, as a
   forked child pays a copy-on-write page fault at its first write to each page it
   inherited, call after call (NOTE [ Timed in a new interpreter ] in
-  `benchmarks/worker.py`). {rounds} process(es) per strategy, interleaved
+  `benchmarks/worker.py`), and under the C library's own allocator, as users run:
+  the memory method's mmap threshold (below) makes every large buffer's allocation and
+  free a system call, which plain PyTorch pays too and which so dilutes what tracking
+  adds. {rounds} process(es) per strategy, interleaved
   round by round so that noise from other load on the machine hits all strategies alike;
   {repeats} measured step(s) per process after one warm-up step. torch runs {threads}
   thread(s).

@@ -16,7 +16,12 @@ in a forked child (3.4-7.4 µs per node), and none after the second call in a ne
 interpreter (3.0). Nothing real runs as such a child, so the jobs that time Python
 code per call or per node (``timing``, ``scaling``, ``overhead``) run in a new
 interpreter; the memory jobs, which read the kernel's counters after a warm-up step,
-stay forks.
+stay forks. That interpreter starts without ``MALLOC_MMAP_THRESHOLD_`` (the C
+library's own allocator, as users run): the threshold the memory method needs makes
+every buffer of 64 KiB or more an ``mmap`` and every free a ``munmap``, system calls
+that plain PyTorch pays as graphprune does, which on this VM nearly doubled the small
+transformer's plain forward (44 ms against 24) and so diluted what tracking adds (its
+step read 1.064x under the threshold, 1.117x without, in the same hour).
 
 Memory method (CPU): ``MALLOC_MMAP_THRESHOLD_=65536`` must be set before the process
 starts (DESIGN.md fact 11), so every tensor buffer is its own mmap and freeing it
@@ -287,6 +292,7 @@ def run_timing(job: dict) -> dict:
     return dict(job=job, ok=True, times_s=times, median_s=med, paired_ratio=ratios)
 
 
+MMAP_ENV = "MALLOC_MMAP_THRESHOLD_"
 # NOTE [ Timed in a new interpreter ]
 TIMED_IN_A_NEW_INTERPRETER = frozenset({"timing", "scaling", "overhead"})
 
@@ -297,12 +303,16 @@ def run_isolated(job: dict, spawn: bool = False, timeout: float = 900) -> dict:
             or job.get("device") == "cuda"):
         import subprocess
 
+        env = os.environ
+        if job["kind"] in TIMED_IN_A_NEW_INTERPRETER:  # the C library's own allocator (NOTE above)
+            env = {k: v for k, v in env.items() if k != MMAP_ENV}
         proc = subprocess.run(
             [sys.executable, "-m", "benchmarks.worker", json.dumps(job)],
             capture_output=True,
             text=True,
             timeout=timeout,
             cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
+            env=env,
         )
         lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("{")]
         if proc.returncode != 0 or not lines:
@@ -346,6 +356,7 @@ def main(argv=None):
         out = run_job(job)
     except Exception:
         out = dict(job=job, ok=False, error=traceback.format_exc()[-3000:])
+    out["malloc_mmap_threshold"] = os.environ.get(MMAP_ENV)  # None: the C library's own
     print(json.dumps(out))
 
 

@@ -99,6 +99,8 @@ def test_json_has_a_measurement_per_job(suite):
     parts = {r["job"]["part"]: r for r in data["results"] if r["job"]["kind"] == "overhead"}
     assert set(parts) == {"chain", "transformer", "memory", "heads"}
     assert all(r["ok"] for r in parts.values()), [r.get("error") for r in parts.values()]
+    timed = [r for r in data["results"] if r["job"]["kind"] in ("timing", "scaling", "overhead")]
+    assert timed and all(r["malloc_mmap_threshold"] is None for r in timed)  # the C library's own
 
 
 def test_compare_prune_reports_each_checkout(capsys):

@@ -506,3 +506,33 @@ def test_bytes_freed_counts_a_sparse_tensor_by_its_indices_and_values():
     l0.backward(retain_graph=True)
     report = gp.prune_after(l0)
     assert report.bytes_freed == 3 * 4 + 2 * 3 * 8  # values (3 float32), indices (2 x 3 int64)
+
+
+class SumOfSquares(torch.autograd.Function):
+    """A loss made by ``apply``, which no torch call makes: the recorder notes it where a
+    torch call first uses it."""
+
+    @staticmethod
+    def forward(ctx, a):
+        ctx.save_for_backward(a)
+        return (a * a).sum()
+
+    @staticmethod
+    def backward(ctx, g):
+        (a,) = ctx.saved_tensors
+        return 2 * a * g
+
+
+def test_a_custom_functions_loss_read_only_by_a_property_protects_its_graph():
+    w = torch.linspace(0.1, 0.5, 4, requires_grad=True)
+    with gp.track():
+        x = w.exp()
+        l1 = x.sin().sum()
+        l2 = SumOfSquares.apply(x.cos())
+        assert l2.requires_grad  # its only use under the tape: a property, no torch call
+    l1.backward(retain_graph=True)
+    gp.prune_after(l1)  # keep=None: the pending loss l2 keeps x's graph and its own
+    w.grad = None
+    l2.backward()
+    xd = w.detach().exp()
+    assert_close(w.grad, -2 * xd.cos() * xd.sin() * xd)

@@ -381,23 +381,24 @@ class _Marker:
 
 def test_no_node_is_released_once_the_released_graphs_are_gone():
     """NOTE [ No node released ] (``_marks.py``): the mark's reasons are held by the nodes
-    that carry them, so the set empties with the last of those nodes."""
+    that carry them, so a prune's reason leaves the set with the last of its nodes."""
     from graphprune import _marks
 
     gc.collect()
-    assert _marks.none_released()
+    before = set(_marks._marked)  # earlier tests' graphs that are still alive
     w = torch.ones(4, requires_grad=True)
     with gp.track():
         x = w.exp()
         y1 = x.sin().sum()
     y1.backward(retain_graph=True)
     gp.explain(y1, keep=x)
-    assert _marks.none_released()  # explain marks nothing
+    assert set(_marks._marked) == before  # explain marks nothing
     gp.prune_after(y1, keep=x)
-    assert not _marks.none_released()
+    assert len(set(_marks._marked) - before) == 1 and not _marks.none_released()
     del x, y1
     gc.collect()
-    assert _marks.none_released()
+    assert set(_marks._marked) <= before
+    assert _marks.none_released() == (not before)
 
 
 def test_a_walk_that_stops_at_released_nodes_stops_while_one_lives():
