@@ -34,7 +34,8 @@ _getframe = sys._getframe
 _local = threading.local()  # .tapes: this thread's open tapes, innermost last
 _Tensor = torch.Tensor
 _NO_KWARGS: dict = {}
-_SEQUENCES = (tuple, list)
+_Size = torch.Size
+_TENSOR_OR_SEQUENCE = (_Tensor, tuple, list)  # a tuple's subclass too: torch.return_types.max
 _inplace_funcs: dict = {}  # func -> whether it modifies its first argument in place
 _INPLACE_DUNDERS = frozenset(
     f"__i{op}__" for op in ("add", "sub", "mul", "truediv", "floordiv", "mod", "pow",
@@ -107,9 +108,9 @@ class _OutputRecorder(TorchFunctionMode):
                 return out  # grad_fn raises, and plain PyTorch would never have read it
             if _anomaly_enabled():
                 _drop_own_frames(out)
-        elif (len(args) == 1 and type(a := args[0]) is _Tensor and type(out) not in _SEQUENCES
-              and not isinstance(out, _Tensor)):  # a plain tensor's property, size or dim: no
-            try:  # tensor made, nothing of a subclass to keep out of graphprune's reads
+        elif len(args) == 1 and type(a := args[0]) is _Tensor and (
+                type(out) is _Size or not isinstance(out, _TENSOR_OR_SEQUENCE)):  # a plain
+            try:  # tensor's property, size or dim: no tensor made, no subclass to keep out
                 if not getweakrefcount(a) and a.requires_grad and not a.is_leaf:
                     _note_unseen(a)
             except RuntimeError:  # a view made under no_grad, modified in place

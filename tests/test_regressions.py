@@ -536,3 +536,21 @@ def test_a_custom_functions_loss_read_only_by_a_property_protects_its_graph():
     l2.backward()
     xd = w.detach().exp()
     assert_close(w.grad, -2 * xd.cos() * xd.sin() * xd)
+
+
+def test_a_loss_returned_in_a_named_tuple_of_a_one_argument_call_protects_its_graph():
+    """``x.max(dim=0)`` returns a ``torch.return_types.max``, a tuple's subclass of
+    tensors: its tensors are noted, whatever its type is called."""
+    w = torch.linspace(0.1, 0.5, 4, requires_grad=True)
+    with gp.track():
+        x = w.exp()
+        l1 = x.sin().sum()
+        l2 = x.cos().max(dim=0).values  # a scalar: a loss no pass has run through
+    l1.backward(retain_graph=True)
+    gp.prune_after(l1)  # keep=None: l2 keeps x's graph
+    w.grad = None
+    l2.backward()
+    xd = w.detach().exp()
+    expected = torch.zeros(4)
+    expected[xd.cos().argmax()] = -(xd.sin() * xd)[xd.cos().argmax()]
+    assert_close(w.grad, expected)
