@@ -379,6 +379,16 @@ class _Marker:
     pass
 
 
+def _sin_head_backpropagated():
+    """``x = exp(w)`` and ``y1 = sin(x).sum()``, after ``y1``'s retained backward."""
+    w = torch.ones(4, requires_grad=True)
+    with gp.track():
+        x = w.exp()
+        y1 = x.sin().sum()
+    y1.backward(retain_graph=True)
+    return x, y1
+
+
 def test_no_node_is_released_once_the_released_graphs_are_gone():
     """NOTE [ No node released ] (``_marks.py``): the mark's reasons are held by the nodes
     that carry them, so a prune's reason leaves the set with the last of its nodes."""
@@ -386,11 +396,7 @@ def test_no_node_is_released_once_the_released_graphs_are_gone():
 
     gc.collect()
     before = set(_marks._marked)  # earlier tests' graphs that are still alive
-    w = torch.ones(4, requires_grad=True)
-    with gp.track():
-        x = w.exp()
-        y1 = x.sin().sum()
-    y1.backward(retain_graph=True)
+    x, y1 = _sin_head_backpropagated()
     gp.explain(y1, keep=x)
     assert set(_marks._marked) == before  # explain marks nothing
     gp.prune_after(y1, keep=x)
@@ -402,11 +408,7 @@ def test_no_node_is_released_once_the_released_graphs_are_gone():
 
 
 def test_a_walk_that_stops_at_released_nodes_stops_while_one_lives():
-    w = torch.ones(4, requires_grad=True)
-    with gp.track():
-        x = w.exp()
-        y1 = x.sin().sum()
-    y1.backward(retain_graph=True)
+    x, y1 = _sin_head_backpropagated()
     gp.prune_after(y1, keep=x)
     sin = y1.grad_fn.next_functions[0][0]
     skipped = []
