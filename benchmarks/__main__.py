@@ -12,9 +12,10 @@ import os
 import sys
 import time
 
+from .worker import MMAP_ENV
+
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
-MMAP_ENV = "MALLOC_MMAP_THRESHOLD_"
 
 
 def _parse(argv):

@@ -235,6 +235,7 @@ class _Model:
         self.head1, self.head2 = layer(), layer()
         self.params = [p for m in (self.trunk, self.head1, self.head2) for p in m.parameters()]
         self.inp = torch.randn(s["batch"], s["seq"], s["d"], device=device)
+        self.clock = _synced_clock if device == "cuda" else time.perf_counter  # the steps' timer
 
     def forward(self):
         x = self.trunk(self.inp)
@@ -247,33 +248,30 @@ def _synced_clock() -> float:
     return time.perf_counter()
 
 
-_clock = time.perf_counter  # the steps' timer: _synced_clock for the transformer on CUDA
-
-
 def _plain_step(m) -> dict:
-    t0 = _clock()
+    t0 = m.clock()
     x, l1, l2 = m.forward()
-    t1 = _clock()
+    t1 = m.clock()
     l1.backward(retain_graph=True)
-    t2 = _clock()
+    t2 = m.clock()
     l2.backward()
     del x, l1, l2
-    t3 = _clock()
+    t3 = m.clock()
     return dict(fwd=t1 - t0, bwd1=t2 - t1, step=t3 - t0)
 
 
 def _gp_step(m) -> dict:
-    t0 = _clock()
+    t0 = m.clock()
     with gp.track():
         x, l1, l2 = m.forward()
-    t1 = _clock()
+    t1 = m.clock()
     l1.backward(retain_graph=True)
-    t2 = _clock()
+    t2 = m.clock()
     gp.prune_after(l1, keep=x)
-    t3 = _clock()
+    t3 = m.clock()
     l2.backward()
     del x, l1, l2
-    t4 = _clock()
+    t4 = m.clock()
     return dict(fwd=t1 - t0, bwd1=t2 - t1, prune=t3 - t2, step=t4 - t0)
 
 
@@ -281,16 +279,16 @@ def _floor_step(m) -> dict:
     """The step any tracker of this kind pays at least: the forward under the floor's
     mode and hooks (``_lean``), and in place of the prune one walk that reads each
     node's saved objects (``scaling.floor_walk``, which makes the wrappers as a prune does)."""
-    t0 = _clock()
+    t0 = m.clock()
     x, l1, l2 = _lean(m.forward)
-    t1 = _clock()
+    t1 = m.clock()
     l1.backward(retain_graph=True)
-    t2 = _clock()
+    t2 = m.clock()
     floor_walk(l1.grad_fn)
-    t3 = _clock()
+    t3 = m.clock()
     l2.backward()
     del x, l1, l2
-    t4 = _clock()
+    t4 = m.clock()
     return dict(fwd=t1 - t0, bwd1=t2 - t1, prune=t3 - t2, step=t4 - t0)
 
 
@@ -308,29 +306,21 @@ def _touched(m, rounds: int) -> dict:
             x, l1, l2 = m.forward()
         l1.backward(retain_graph=True)
         floor_walk(l1.grad_fn)
-        t0 = _clock()
+        t0 = m.clock()
         if rnd % 2:
             floor_walk(l1.grad_fn)
         else:
             gp.prune_after(l1, keep=x)
-        out["walk" if rnd % 2 else "prune"].append(_clock() - t0)
+        out["walk" if rnd % 2 else "prune"].append(m.clock() - t0)
         l2.backward()
         del x, l1, l2
     return {k: statistics.median(v) for k, v in out.items()}
 
 
 def run_transformer(size, device: str = "cpu") -> dict:
-    global _clock
     if device == "cuda" and not torch.cuda.is_available():
         raise RuntimeError("overhead/transformer_cuda: no CUDA device is available here")
-    _clock = _synced_clock if device == "cuda" else time.perf_counter
-    try:
-        return _run_transformer(_Model(size, device), size)
-    finally:
-        _clock = time.perf_counter
-
-
-def _run_transformer(m: _Model, size) -> dict:
+    m = _Model(size, device)
     counts = census(lambda: m.forward())
     steps = [("plain", _plain_step), ("gp", _gp_step), ("floor", _floor_step)]
     runs = {name: [] for name, _ in steps}

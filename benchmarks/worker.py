@@ -21,7 +21,8 @@ library's own allocator, as users run): the threshold the memory method needs ma
 every buffer of 64 KiB or more an ``mmap`` and every free a ``munmap``, system calls
 that plain PyTorch pays as graphprune does, which on this VM nearly doubled the small
 transformer's plain forward (44 ms against 24) and so diluted what tracking adds (its
-step read 1.064x under the threshold, 1.117x without, in the same hour).
+step read 1.064x under the threshold, 1.117x without, quick runs one after the
+other).
 
 Memory method (CPU): ``MALLOC_MMAP_THRESHOLD_=65536`` must be set before the process
 starts (DESIGN.md fact 11), so every tensor buffer is its own mmap and freeing it
@@ -44,6 +45,8 @@ import statistics
 import sys
 import time
 import traceback
+
+MMAP_ENV = "MALLOC_MMAP_THRESHOLD_"  # the memory method's setting (see above)
 
 MIB = 1024 * 1024
 
@@ -133,7 +136,7 @@ def machine(device: str = "cpu") -> dict:
         torch=torch.__version__,
         platform=platform.platform(),
         device=device,
-        malloc_mmap_threshold=os.environ.get("MALLOC_MMAP_THRESHOLD_"),
+        malloc_mmap_threshold=os.environ.get(MMAP_ENV),
     )
     if device == "cuda":
         out["gpu"] = torch.cuda.get_device_name()
@@ -292,7 +295,6 @@ def run_timing(job: dict) -> dict:
     return dict(job=job, ok=True, times_s=times, median_s=med, paired_ratio=ratios)
 
 
-MMAP_ENV = "MALLOC_MMAP_THRESHOLD_"
 # NOTE [ Timed in a new interpreter ]
 TIMED_IN_A_NEW_INTERPRETER = frozenset({"timing", "scaling", "overhead"})
 

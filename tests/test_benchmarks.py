@@ -10,7 +10,6 @@ import os
 import re
 import subprocess
 import sys
-import time
 
 import pytest
 import torch
@@ -132,7 +131,7 @@ def test_transformer_cuda_job_times_synchronised_steps():
 
     r = overhead.run_overhead(dict(kind="overhead", part="transformer_cuda", level="tiny", threads=1,
                                    device="cuda"))
-    assert r["ok"] and r["steps"] >= 3 and overhead._clock is time.perf_counter
+    assert r["ok"] and r["steps"] >= 3
     assert 0 < r["prune_share"] and r["step_ratio"] > 0
 
 
