@@ -38,6 +38,7 @@ from __future__ import annotations
 import collections
 import dataclasses
 import functools
+import itertools
 from typing import Callable
 
 import torch
@@ -45,6 +46,7 @@ from torch.autograd.graph import GradientEdge
 
 from . import _outputs, _routing
 from ._graph import _is_router, is_accumulator, reach
+from ._marks import hooked_outputs, none_hooked
 from ._plan import Plan
 from ._prune import _remember
 from ._report import PruneReport
@@ -96,19 +98,28 @@ def backward_each(losses, *, keep=None, strategy: str = "cut") -> list[PruneRepo
         raise ValueError(f'{call}: strategy must be "cut" or "passes", got {strategy!r}')
     items = _items(losses, call)
     heads = _heads(items, call, cut=strategy == "cut")
-    hooked = strategy == "cut" and _hooked(  # NOTE [ Hooks at the cut ]; a lazy head's cut is not known yet
-        None if callable(items[0]) else {(e.node, e.output_nr) for head in heads for e in head.cut})
+    hooked = False
+    if strategy == "cut":  # NOTE [ Hooks at the cut ]
+        if callable(items[0]):  # the first head stands for the others: built before any pass
+            first = next(heads)
+            heads = itertools.chain([first], heads)
+            hooked = _hooked([first])
+        else:
+            hooked = _hooked(heads)
+            for head in heads:
+                head.lower = set()  # read: not held through the passes
     if hooked:
         strategy = "passes"
-        heads = _heads(items, call, cut=False)
+        if not callable(items[0]):
+            heads = _heads(items, call, cut=False)
     if strategy == "passes":
         reports = [report for _, report in _whole_passes(
             call, heads, len(items), keep, lambda loss: torch.autograd.backward(loss, retain_graph=True),
             callable(items[0]))]
         text = f"passes: {len(items)} whole pass(es), the trunk freed by the last"
         if hooked:
-            text += (" (a tracked tensor has hooks or retains its grad: the cut would run them "
-                     "again on the heads' summed gradient)")
+            text += (" (a hook below the cut, or a tensor at it that retains its grad: the cut would "
+                     "run it on the heads' summed gradient, not once per loss)")
         reports[-1] = _remember(dataclasses.replace(reports[-1], strategy=text))
         return reports
     reports, cut = [], collections.OrderedDict()
@@ -201,23 +212,51 @@ def grads_each(losses, inputs, *, keep=None, allow_unused: bool | None = None,
     return [row for row, _ in passes[:len(items)]]
 
 
-def _hooked(edges) -> bool:
-    """Whether a live tracked tensor at one of ``edges`` (``{(node, output number)}``;
-    ``None``: anywhere) has hooks (``register_hook``) or retains its grad.
+def _hooked(heads) -> bool:
+    """Whether the cut would run a hook otherwise than the plain loop: one graphprune
+    can see in the lower part of these heads' graphs, or a tensor at their cut that
+    retains its grad.
 
     NOTE [ Hooks at the cut ]
-    A tensor's hooks run where its gradient arrives, before a pass that stops there
-    captures it: a head's pass to the cut runs the hooks of the trunk tensor it stops
-    at, and the trunk's pass, which starts there from the heads' summed gradient, would
-    run them again (a gradient reversal undone, ``.grad`` of a tensor that retains it
-    counted twice). A plain loop runs them once per loss, on that loss's gradient, and
-    so do whole passes: ``strategy="cut"`` takes them when a tracked tensor at the cut
-    has one (any tracked tensor, for heads given as callables: their cut is not known
-    before they run). A pre-hook on a trunk node itself (``Node.register_prehook``) runs
-    once, in the trunk's pass, on the sum.
+    A tensor's hooks run where its gradient arrives, and the cut moves that for the
+    lower part. A head's pass to the cut runs the hooks of the trunk tensors it stops
+    at, and the trunk's pass, which starts there from the heads' summed gradient, runs
+    them again (a gradient reversal undone, ``.grad`` of a tensor that retains it
+    counted twice); below the cut a hook runs once, on the sum, where the plain loop
+    runs it once per loss on that loss's gradient (a clipping hook clips the sum; a
+    parameter's hook and its post-accumulate-grad hook likewise). Whole passes run
+    every hook as the plain loop does, so ``strategy="cut"`` takes them when the lower
+    part holds a hook graphprune can see:
+
+    - a node marked by a ``register_hook`` call under ``track()`` (the recorder marks
+      the tensor's node, which runs the hook whether the tensor still lives or not);
+    - a leaf (a parameter, an input) with tensor hooks or post-accumulate-grad hooks;
+    - a live tensor graphprune has noted with hooks (registered outside ``track()``),
+      or one at the cut that retains its grad (below it, ``.grad`` gets the same sum).
+
+    For heads given as callables the lower part is the first head's (built before
+    any pass runs); what only later heads reach is not looked at. Not seen: a hook
+    registered outside ``track()`` on a non-leaf tensor that has died since, and
+    hooks on trunk nodes themselves (``Node.register_prehook``, ``Node.register_hook``),
+    which run once, in the trunk's pass, on the sum.
     """
-    for t in _outputs.live():
-        if (t.retains_grad or t._backward_hooks) and (edges is None or (t.grad_fn, t.output_nr) in edges):
+    lower: set = set().union(*(head.lower for head in heads))
+    if not lower:
+        return False
+    if not none_hooked() and any(hooked_outputs(node) for node in lower):
+        return True
+    for node in lower:
+        if is_accumulator(node):
+            leaf = node.variable
+            if leaf._backward_hooks or getattr(leaf, "_post_accumulate_grad_hooks", None):
+                return True
+    cut = {(e.node, e.output_nr) for head in heads for e in head.cut}
+    for t in _outputs.live(made_before=True):
+        try:
+            fn = t.grad_fn
+        except RuntimeError:  # a view made under no_grad and modified in place
+            continue
+        if (t._backward_hooks and fn in lower) or (t.retains_grad and (fn, t.output_nr) in cut):
             return True
     return False
 
@@ -277,6 +316,7 @@ class _Head:
     cut: list[GradientEdge]  # where its pass stops: NOTE [ Heads, the trunk, and the cut ]
     guards: list  # (node, output number, reason) its pass must not free
     leaves: list = dataclasses.field(default_factory=list)  # what its pass accumulates into
+    lower: set = dataclasses.field(default_factory=set)  # the nodes below its cut: the trunk's pass runs them
 
 
 def _items(losses, call: str) -> list:
@@ -339,10 +379,10 @@ def _eager_heads(items: list[torch.Tensor], call: str) -> list[_Head]:
     trunk = {node for node, who in owners.items() if len(who) > 1 and _shared(node, who, supports)}
     heads = []
     for i, t in enumerate(items):
-        cut, leaves = _cut(t, trunk.__contains__)
+        cut, leaves, lower = _cut(t, trunk.__contains__)
         later = [(u.grad_fn, u.output_nr, _LATER_REASON.format(call=call)) for u in items[i + 1:]]
         guards = later + [(e.node, None, _TRUNK_REASON.format(call=call)) for e in cut]
-        heads.append(_Head(t, cut, guards, leaves))
+        heads.append(_Head(t, cut, guards, leaves, lower))
     return heads
 
 
@@ -366,15 +406,15 @@ def _lazy_heads(items: list[Callable], call: str):
         with track():
             loss = build()
         _check_loss(loss, f"losses[{i}]()", call)
-        cut, leaves = _cut(loss, lambda node, start=start: (not is_accumulator(node)
-                                                              and node._sequence_nr() < start))
-        yield _Head(loss, cut, [(e.node, None, _TRUNK_REASON.format(call=call)) for e in cut], leaves)
+        cut, leaves, lower = _cut(loss, lambda node, start=start: (not is_accumulator(node)
+                                                                     and node._sequence_nr() < start))
+        yield _Head(loss, cut, [(e.node, None, _TRUNK_REASON.format(call=call)) for e in cut], leaves, lower)
 
 
-def _cut(loss: torch.Tensor, in_trunk) -> tuple[list[GradientEdge], list[torch.Tensor]]:
-    """Where ``loss``'s pass stops, and the leaves it accumulates into: the edges from
-    the upper part of its graph into the lower part, which holds what ``in_trunk``
-    says and all it reaches (NOTE [ Heads, the trunk, and the cut ])."""
+def _cut(loss: torch.Tensor, in_trunk) -> tuple[list[GradientEdge], list[torch.Tensor], set]:
+    """Where ``loss``'s pass stops, the leaves it accumulates into, and the lower part:
+    the edges from the upper part of its graph into the lower part, which holds what
+    ``in_trunk`` says and all it reaches (NOTE [ Heads, the trunk, and the cut ])."""
     root = loss.grad_fn
     parents: dict = collections.defaultdict(list)
     order, seen = [root], {root}
@@ -395,7 +435,7 @@ def _cut(loss: torch.Tensor, in_trunk) -> tuple[list[GradientEdge], list[torch.T
             break
         _close(lower, moved)
     if root in lower:
-        return [GradientEdge(root, loss.output_nr)], []
+        return [GradientEdge(root, loss.output_nr)], [], lower
     cut, taken, leaves = [], set(), []
     for node in order:
         upper_parent = any(p not in lower for p, _ in parents[node])
@@ -407,7 +447,7 @@ def _cut(loss: torch.Tensor, in_trunk) -> tuple[list[GradientEdge], list[torch.T
                 if (node, nr) not in taken:
                     taken.add((node, nr))
                     cut.append(GradientEdge(node, nr))
-    return cut, leaves
+    return cut, leaves, lower
 
 
 def _close(lower: set, nodes) -> None:

@@ -8,12 +8,16 @@ from __future__ import annotations
 
 import weakref
 
-__all__ = ["RELEASED", "FINISHED", "GUARDED", "STRAYS", "node_name", "marking_released", "none_released"]
+__all__ = [
+    "RELEASED", "FINISHED", "GUARDED", "STRAYS", "HOOKED", "node_name", "marking_released", "none_released",
+    "mark_hooked", "hooked_outputs", "none_hooked",
+]
 
 RELEASED = "graphprune.released"  # lost saved tensors to a prune; the value says which call
 FINISHED = "graphprune.finished"  # the root of a pruned output: it protects nothing any more
 GUARDED = "graphprune.guarded"  # zero-gradient passes may run it (NOTE in _zero.py)
 STRAYS = "graphprune.strays"  # a CopySlices: weak references to its hidden node's handles
+HOOKED = "graphprune.hooked"  # a tensor hook was registered on an output of it under track()
 
 
 # NOTE [ No node released ]
@@ -36,6 +40,45 @@ def marking_released(reason) -> None:
 def none_released() -> bool:
     """Whether no live node is marked released (NOTE [ No node released ])."""
     return not _marked
+
+
+class _Hooked:
+    """The outputs of a node whose tensors had hooks registered (``register_hook``)
+    under ``track()``: held by the node's metadata, and weakly in ``_hooked``, so that
+    "no node alive is marked" is one check (as NOTE [ No node released ])."""
+
+    __slots__ = ("outputs", "__weakref__")
+
+    def __init__(self) -> None:
+        self.outputs: set[int] = set()
+
+
+_hooked: weakref.WeakSet = weakref.WeakSet()
+
+
+def mark_hooked(node, output_nr: int) -> None:
+    """A hook was registered on ``node``'s output ``output_nr`` (NOTE [ Hooks at the
+    cut ] in ``_each.py``): it runs wherever that output's gradient arrives, while the
+    node lives, however long the tensor does."""
+    md = node.metadata
+    mark = md.get(HOOKED)
+    if mark is None:
+        mark = md[HOOKED] = _Hooked()
+        _hooked.add(mark)
+    mark.outputs.add(output_nr)
+
+
+def hooked_outputs(node) -> set[int]:
+    """The outputs of ``node`` that a hook registered under ``track()`` watches."""
+    if not _hooked:
+        return set()
+    mark = node.metadata.get(HOOKED)
+    return set() if mark is None else set(mark.outputs)
+
+
+def none_hooked() -> bool:
+    """Whether no live node carries a hook mark."""
+    return not _hooked
 
 
 def node_name(node) -> str:

@@ -216,10 +216,11 @@ def settle() -> None:
         _compact_tail()
 
 
-def live() -> list[torch.Tensor]:
-    """Every live tensor a tracked forward made."""
+def live(made_before: bool = False) -> list[torch.Tensor]:
+    """Every live tensor a tracked forward made (``made_before``: and those made before
+    a tape opened that a tracked call used)."""
     _compact()
-    return [t for t in (r() for r in list(_outputs) if r.ours) if t is not None]
+    return [t for t in (r() for r in list(_outputs) if made_before or r.ours) if t is not None]
 
 
 def output_of(t: torch.Tensor) -> Output | None:

@@ -14,6 +14,7 @@ from torch.overrides import TorchFunctionMode
 
 from . import _outputs
 from ._graph import attach_hidden, children
+from ._marks import mark_hooked
 from ._routing import stamp_setitem
 from ._saved import SavedHandle, pack_hook
 
@@ -36,7 +37,9 @@ _Tensor = torch.Tensor
 _NO_KWARGS: dict = {}
 _Size = torch.Size
 _TENSOR_OR_SEQUENCE = (_Tensor, tuple, list)  # a tuple's subclass too: torch.return_types.max
-_inplace_funcs: dict = {}  # func -> whether it modifies its first argument in place
+_REGISTERS_A_HOOK = "registers a hook"  # truthy: _inplace_funcs' rare branch
+# func -> whether it modifies its first argument in place, or _REGISTERS_A_HOOK
+_inplace_funcs: dict = {torch.Tensor.register_hook: _REGISTERS_A_HOOK}
 _INPLACE_DUNDERS = frozenset(
     f"__i{op}__" for op in ("add", "sub", "mul", "truediv", "floordiv", "mod", "pow",
                             "and", "or", "xor", "lshift", "rshift", "matmul")
@@ -76,24 +79,27 @@ class _OutputRecorder(TorchFunctionMode):
             kwargs = _NO_KWARGS  # unpacked by every callee, never changed
         if _dynamo_compiling() or _compiler._is_compiling_flag:  # traced (Dynamo, export):
             return func(*args, **kwargs)  # stay out of the compiled graph
-        if func is _SETITEM and args and type(args[0]) is _Tensor:
-            return _call_setitem(func, args, kwargs)
-        inplace = _inplace_funcs.get(func)
-        if inplace is None:
-            inplace = _inplace_funcs[func] = _is_inplace(func)
-        if inplace and args and isinstance(args[0], _Tensor) and _is_view(args[0]):
-            return _call_inplace_on_view(func, args, kwargs)
-        try:  # _as_caller, inlined: this runs for every torch call
+        try:  # the caller's call site: NOTE [ Warnings at the caller's line ]
             frame = _getframe(1)
         except ValueError:  # no Python caller: a TorchScript fork's interop thread
             frame = None
-            out = func(*args, **kwargs)
+            call = _call_directly
         else:
             caller = frame
             if frame.f_code is _HANDLE_TORCH_FUNCTION and frame.f_back is not None:
                 caller = frame.f_back.f_back or frame
             call = _call_sites.get((id(caller.f_code), caller.f_lasti)) or _call_site(caller)
-            out = call(func, args, kwargs)
+        if func is _SETITEM and args and type(args[0]) is _Tensor:
+            return _call_setitem(call, func, args, kwargs)
+        inplace = _inplace_funcs.get(func)
+        if inplace is None:
+            inplace = _inplace_funcs[func] = _is_inplace(func)
+        if inplace:  # rare: an in-place method, or a tensor hook's registration
+            if inplace is _REGISTERS_A_HOOK:
+                return _call_registering_hook(call, func, args, kwargs)
+            if args and isinstance(args[0], _Tensor) and _is_view(args[0]):
+                return _call_inplace_on_view(call, func, args, kwargs)
+        out = call(func, args, kwargs)
         if type(out) is _Tensor:  # the common case, inlined
             try:
                 if not out.is_leaf:
@@ -120,33 +126,22 @@ class _OutputRecorder(TorchFunctionMode):
         return out
 
 
-def _as_caller(func, args, kwargs):
-    """``func(*args, **kwargs)``, called from a frame that looks like the torch call's caller.
+def _call_site(frame):
+    """The ``_graphprune_call`` for the instruction ``frame`` is at, made and filed.
 
     NOTE [ Warnings at the caller's line ]
     Python attributes a warning raised inside a torch call to the innermost Python
     frame: under a ``TorchFunctionMode`` that is the mode's, not the caller's, which
     changes every warning's file, line, module and once-per-location registry. So the
-    call goes through a one-line function compiled as if it stood at the caller's
+    recorder makes every call it passes on (an item assignment and an in-place op on
+    a view too) through a one-line function compiled as if it stood at the caller's
     line, in the caller's file, with the caller's globals (module and registry): the
     warning is filed exactly where plain PyTorch files it. One function per call
     site (a code object, by id, and instruction: ``f_lasti`` is read in O(1),
     ``f_lineno`` walks the line table), made once. A torch function written in Python
     (``F.softmax``) reaches the mode through ``handle_torch_function``: its caller is
-    two frames further out. ``_OutputRecorder.__torch_function__`` inlines this.
+    two frames further out.
     """
-    try:
-        frame = _getframe(2)
-    except ValueError:  # no Python caller: a TorchScript fork's interop thread
-        return func(*args, **kwargs)
-    if frame.f_code is _HANDLE_TORCH_FUNCTION and frame.f_back is not None:
-        frame = frame.f_back.f_back or frame
-    call = _call_sites.get((id(frame.f_code), frame.f_lasti)) or _call_site(frame)
-    return call(func, args, kwargs)
-
-
-def _call_site(frame):
-    """The ``_graphprune_call`` for the instruction ``frame`` is at, made and filed."""
     if len(_call_sites) > 65536:  # generated code (torch.fx, exec) makes ever new sites
         _call_sites.clear()
         _site_code.clear()
@@ -157,6 +152,11 @@ def _call_site(frame):
     call = types.FunctionType(made, frame.f_globals, _CALL_CODE.co_name)
     _call_sites[(id(code), frame.f_lasti)] = call
     return call
+
+
+def _call_directly(func, args, kwargs):
+    """A call with no Python caller to stand for (a TorchScript fork's interop thread)."""
+    return func(*args, **kwargs)
 
 
 def _call_code() -> types.CodeType:
@@ -234,12 +234,13 @@ def _note_unseen(t: torch.Tensor) -> None:
     _outputs.note((t,), ours=bool(tapes) and fn._sequence_nr() >= tapes[0].first_seq)
 
 
-def _call_setitem(func, args, kwargs):
-    """``target[key] = value``: stamp the index it wrote on the ``CopySlices`` it made
-    (NOTE [ Gradient routing ] in ``_routing.py``)."""
+def _call_setitem(call, func, args, kwargs):
+    """``target[key] = value``, through ``call`` (the caller's call site): stamp the
+    index it wrote on the ``CopySlices`` it made (NOTE [ Gradient routing ] in
+    ``_routing.py``)."""
     target = args[0]
     before = target.grad_fn if target._base is None else _NO_STAMP
-    out = _as_caller(func, args, kwargs)
+    out = call(func, args, kwargs)
     if before is not _NO_STAMP and len(args) > 1:
         try:
             stamp_setitem(target, args[1], before)
@@ -253,13 +254,32 @@ _SETITEM = torch.Tensor.__setitem__
 _NO_STAMP = object()
 
 
-def _call_inplace_on_view(func, args, kwargs):
-    """An in-place op on a view: autograd hides the node that saves tensors inside a
-    ``CopySlices``; collect what it packs and file it for that node
-    (NOTE [ Lazy records ] in ``_graph.py``)."""
+def _call_registering_hook(call, func, args, kwargs):
+    """``t.register_hook(hook)``, through ``call``: mark ``t``'s node, whose hooks run
+    wherever its gradient arrives, whether ``t`` lives then or not (NOTE [ Hooks at the
+    cut ] in ``_each.py``)."""
+    out = call(func, args, kwargs)
+    t = args[0] if args else None
+    if isinstance(t, _Tensor):
+        try:
+            with _NoSubclassDispatch():
+                fn, nr = t.grad_fn, t.output_nr
+        except RuntimeError:  # a view made under no_grad, modified in place
+            fn = None
+        if fn is not None:
+            children(fn)  # a wrapper made in the forward: NOTE [ Deep graphs and Python wrappers ]
+            mark_hooked(fn, nr)
+    _note_safely(out, args)
+    return out
+
+
+def _call_inplace_on_view(call, func, args, kwargs):
+    """An in-place op on a view, through ``call`` (the caller's call site): autograd
+    hides the node that saves tensors inside a ``CopySlices``; collect what it packs
+    and file it for that node (NOTE [ Lazy records ] in ``_graph.py``)."""
     own = _own_pack_hook()
     if own is None:
-        out = func(*args, **kwargs)
+        out = call(func, args, kwargs)
     else:
         packed: list[SavedHandle] = []
 
@@ -269,7 +289,7 @@ def _call_inplace_on_view(func, args, kwargs):
             return h
 
         with torch.autograd.graph.saved_tensors_hooks(collect, SavedHandle.unpack):
-            out = func(*args, **kwargs)
+            out = call(func, args, kwargs)
         if packed and out is args[0]:
             with _NoSubclassDispatch():
                 node = out._base.grad_fn

@@ -389,4 +389,81 @@ def test_hooks_on_the_trunk_tensor_run_once_per_loss_as_in_the_plain_loop(strate
         assert_close(got_x, want_x)
     assert calls == want_calls
     assert report.strategy.startswith("passes")
-    assert ("hooks or retains its grad" in report.strategy) == (strategy == "cut")
+    assert ("a hook below the cut" in report.strategy) == (strategy == "cut")
+
+
+class _Reversed(nn.Module):
+    """A gradient reversal layer as domain-adaptation code writes it: a hook on a
+    local tensor, which is gone by the time the losses backpropagate."""
+
+    def forward(self, x):
+        y = x * 1
+        y.register_hook(lambda g: -g)
+        return y
+
+
+def _trunk_with_hooks(where, hook, lazy):
+    """``(.grad of the trunk's weight, calls of the hook, the last report)`` of a plain
+    loop (``lazy=None``) or ``backward_each`` over two heads on a trunk with a hook
+    ``where``: "param" (a parameter's, registered before track()), "deep" (a trunk
+    tensor's below the cut, under track(), the tensor deleted), "accumulated" (a
+    parameter's post-accumulate-grad hook), "module" (a reversal layer at the cut)."""
+    torch.manual_seed(0)
+    w = torch.randn(4, 4, requires_grad=True)
+    heads = [torch.randn(4, 1, requires_grad=True) for _ in range(2)]
+    calls = []
+
+    def counted(g):
+        calls.append(1)
+        return hook(g)
+
+    if where == "param":
+        w.register_hook(counted)
+    elif where == "accumulated":
+        w.register_post_accumulate_grad_hook(lambda p: calls.append(1))
+    with gp.track():
+        z = torch.randn(3, 4) @ w
+        if where == "deep":
+            z.register_hook(counted)
+        x = z.tanh()
+        if where == "module":
+            x = _Reversed()(x)
+        del z
+        if lazy:
+            losses = [lambda h=h: (x @ h).pow(2).sum() * 3 for h in heads]
+        else:
+            losses = [(x @ h).pow(2).sum() * 3 for h in heads]
+    if lazy is None:
+        for loss in losses:
+            loss.backward(retain_graph=True)
+        return w.grad, len(calls), None
+    report = gp.backward_each(losses)[-1]
+    return w.grad, len(calls), report
+
+
+@pytest.mark.parametrize("lazy", [False, True], ids=["tensors", "callables"])
+@pytest.mark.parametrize("where", ["param", "deep", "accumulated", "module"])
+def test_hooks_below_the_cut_run_once_per_loss_as_in_the_plain_loop(where, lazy):
+    """NOTE [ Hooks at the cut ]: a hook below the cut ran once on the heads' summed
+    gradient (a clipping hook clipped the sum; a parameter's post-accumulate hook ran
+    once), and a hook at the cut on a tensor no longer alive ran twice (a reversal
+    undone): backward_each's .grad differed from the plain loop's."""
+    clip = (lambda g: g.clamp(-0.5, 0.5)) if where != "module" else (lambda g: g)
+    want_w, want_calls, _ = _trunk_with_hooks(where, clip, None)
+    got_w, calls, report = _trunk_with_hooks(where, clip, lazy)
+    assert_close(got_w, want_w)
+    assert calls == want_calls
+    assert report.strategy.startswith("passes") and "a hook below the cut" in report.strategy
+
+
+def test_backward_each_keeps_the_cut_where_hooks_are_on_the_heads_only():
+    torch.manual_seed(0)
+    w = torch.randn(4, 4, requires_grad=True)
+    heads = [torch.randn(4, 1, requires_grad=True) for _ in range(2)]
+    for h in heads:
+        h.register_hook(lambda g: g.clamp(-0.5, 0.5))  # upper part only: each head's own pass
+    with gp.track():
+        x = (torch.randn(3, 4) @ w).tanh()
+        losses = [(x @ h).pow(2).sum() * 3 for h in heads]
+    report = gp.backward_each(losses)[-1]
+    assert report.strategy.startswith("cut")

@@ -925,6 +925,31 @@ def test_warning_location_copy_construct():
     assert all("To copy construct from a tensor" in w[1] for w in got)
 
 
+@pytest.fixture
+def warn_always():
+    """Warnings that C++ shows once per process (``TORCH_WARN_ONCE``) shown every time."""
+    before = torch.is_warn_always_enabled()
+    torch.set_warn_always(True)
+    yield
+    torch.set_warn_always(before)
+
+
+def test_warnings_of_item_assignment_and_in_place_ops_on_views_are_filed_at_the_callers_line(warn_always):
+    # the recorder's own lines took them: _call_setitem found the call site one frame
+    # short (its own caller, the recorder), _call_inplace_on_view made the call itself
+    def fn():
+        y = torch.zeros(4, requires_grad=True) * 1
+        c = torch.tensor([1 + 1j, 2j])  # complex into real: "Casting complex values ..."
+        y[0] = c[0]
+        y[1:3].copy_(c)
+        return y
+
+    got = both(fn).warnings
+    lines = [first_line(fn) + 3, first_line(fn) + 4]
+    assert [(w[0], w[2], w[3]) for w in got] == [(UserWarning, HERE, line) for line in lines]
+    assert all("Casting complex values to real" in w[1] for w in got)
+
+
 def test_warning_location_non_leaf_grad():
     def fn():
         x = torch.randn(3, requires_grad=True)
