@@ -36,16 +36,16 @@ loss runs a whole pass; the heads go as their passes end, the trunk after the la
 from __future__ import annotations
 
 import collections
+import contextlib
 import dataclasses
 import functools
-import itertools
 from typing import Callable
 
 import torch
 from torch.autograd.graph import GradientEdge
 
 from . import _outputs, _routing
-from ._graph import _is_router, is_accumulator, reach
+from ._graph import FOREIGN, _is_router, is_accumulator, reach, saved
 from ._marks import hooked_outputs, none_hooked
 from ._plan import Plan
 from ._prune import _remember
@@ -102,8 +102,9 @@ def backward_each(losses, *, keep=None, strategy: str = "cut") -> list[PruneRepo
     if strategy == "cut":  # NOTE [ Hooks at the cut ]
         if callable(items[0]):  # the first head stands for the others: built before any pass
             first = next(heads)
-            heads = itertools.chain([first], heads)
             hooked = _hooked([first])
+            first.lower = set()  # read: not held through the passes
+            heads = _then(first, heads)
         else:
             hooked = _hooked(heads)
             for head in heads:
@@ -122,33 +123,40 @@ def backward_each(losses, *, keep=None, strategy: str = "cut") -> list[PruneRepo
                      "run it on the heads' summed gradient, not once per loss)")
         reports[-1] = _remember(dataclasses.replace(reports[-1], strategy=text))
         return reports
-    reports, cut = [], collections.OrderedDict()
+    reports, cut, whole, ran = [], collections.OrderedDict(), 0, []  # ran: the heads of whole passes
     for head in heads:
         if head.cut and head.cut[0].node is head.loss.grad_fn:  # all of it is trunk: nothing to run yet
             _add(cut, head.cut[0], torch.ones_like(head.loss))
             continue
-        captured: dict = {}
-        hooks = [edge.node.register_prehook(functools.partial(_capture, captured, edge.node))
-                 for edge in {e.node: e for e in head.cut}.values()]
-        try:
-            _, report = _pass(call, [head.loss], keep, head.guards, lambda head=head: torch.autograd.backward(
-                head.loss, inputs=[*head.leaves, *head.cut], retain_graph=True))
-        finally:
-            for hook in hooks:
-                hook.remove()
+        if head.stop == "whole":  # NOTE [ Where a head's pass stops ]: its whole pass, the trunk kept
+            whole += 1
+            head.lower = set()
+            ran.append(head)  # for the trunk's release: what only it reaches goes with the rest
+            _, report = _pass(call, [head.loss], keep, head.guards,
+                              lambda head=head: torch.autograd.backward(head.loss, retain_graph=True))
+            reports.append(report)
+            continue
+        got, report = _pass(call, [head.loss], keep, head.guards, functools.partial(_to_the_cut, head))
         reports.append(report)
-        for edge in head.cut:
-            if (edge.node, edge.output_nr) in captured:
-                _add(cut, edge, captured[edge.node, edge.output_nr])
-        del captured  # before the next callable builds its head: one gradient at the cut, the sum
+        _add_each(cut, head.cut, got)
+        del got  # before the next callable builds its head: one gradient at the cut, the sum
     edges = [GradientEdge(node, nr) for node, nr in cut]
     grads = [g for g, _ in cut.values()]
-    del cut
-    if not edges:  # no head reached a leaf that requires grad
+    if not edges:  # every head ran its whole pass, or none reached a leaf that requires grad
+        if whole:  # what the whole passes kept of the trunk goes now
+            plan = Plan(call, [head.loss for head in ran], keep, arg="losses")
+            report = plan.report(call, dry_run=False)
+            plan.release()
+            text = f"cut: the {whole} head(s), each with a reentrant checkpoint, ran whole passes"
+            reports.append(_remember(dataclasses.replace(report, strategy=text)))
         return reports
+    below = [e for head in ran for e in head.cut if (e.node, e.output_nr) not in cut]  # released after it
+    del cut
     _, report = _pass(call, None, keep, (), lambda: torch.autograd.backward(edges, grads, retain_graph=True),
-                      edges=edges)
+                      edges=edges + below)
     text = f"cut: {len(items)} head pass(es), then the trunk once from {len(edges)} edge(s)"
+    if whole:
+        text += f" ({whole} head(s) with a reentrant checkpoint ran whole passes)"
     reports.append(_remember(dataclasses.replace(report, strategy=text)))
     return reports
 
@@ -194,22 +202,26 @@ def grads_each(losses, inputs, *, keep=None, allow_unused: bool | None = None,
         if not extra:
             return torch.autograd.grad(loss, inputs, retain_graph=True, allow_unused=allow_unused,
                                        materialize_grads=materialize_grads)
-        got = torch.autograd.grad(loss, wanted + extra, retain_graph=True, allow_unused=True)
-        row, rest = got[:len(wanted)], got[len(wanted):]
+        with _accumulating(extra):  # NOTE [ Leaves accumulated as they arrive ]
+            got = torch.autograd.grad(loss, wanted + extra, retain_graph=True, allow_unused=True)
+        row = got[:len(wanted)]
+        del got
         if not allow_unused and not materialize_grads and any(g is None for g in row):
             raise RuntimeError("One of the differentiated Tensors appears to not have been used in the "
                                "graph. Set allow_unused=True if this is the desired behavior.")
-        given = [(t, g) for t, g in zip(extra, rest) if g is not None]
-        del rest
-        if given:  # through AccumulateGrad, as a plain pass: hooks and layouts as usual
-            torch.autograd.backward([t for t, _ in given], [g for _, g in given])
-        del given
         if materialize_grads:
             row = tuple(torch.zeros_like(t) if g is None else g for t, g in zip(wanted, row))
         return row
 
     passes = _whole_passes(call, _heads(items, call, cut=False), len(items), keep, run, callable(items[0]))
     return [row for row, _ in passes[:len(items)]]
+
+
+def _then(first, rest):
+    """``first``, then what ``rest`` yields; ``first`` not held once it was taken."""
+    yield first
+    del first
+    yield from rest
 
 
 def _hooked(heads) -> bool:
@@ -231,14 +243,22 @@ def _hooked(heads) -> bool:
     - a node marked by a ``register_hook`` call under ``track()`` (the recorder marks
       the tensor's node, which runs the hook whether the tensor still lives or not);
     - a leaf (a parameter, an input) with tensor hooks or post-accumulate-grad hooks;
+    - a module's backward hooks (``register_full_backward_hook`` and its pre-hook
+      make ``BackwardHookFunction`` nodes around the module);
     - a live tensor graphprune has noted with hooks (registered outside ``track()``),
       or one at the cut that retains its grad (below it, ``.grad`` gets the same sum).
 
-    For heads given as callables the lower part is the first head's (built before
-    any pass runs); what only later heads reach is not looked at. Not seen: a hook
-    registered outside ``track()`` on a non-leaf tensor that has died since, and
-    hooks on trunk nodes themselves (``Node.register_prehook``, ``Node.register_hook``),
-    which run once, in the trunk's pass, on the sum.
+    Every trunk node's backward runs once, in the trunk's pass, on the sum: exact for
+    a backward linear in its incoming gradient (PyTorch's, a custom ``Function``'s
+    that computes a derivative). For heads given as callables the lower part is the
+    first head's (built before any pass runs); what only later heads reach is not
+    looked at. Not seen: a hook registered outside ``track()`` on a non-leaf tensor
+    that has died since, hooks on trunk nodes themselves (``Node.register_prehook``,
+    ``Node.register_hook``, the old ``Module.register_backward_hook``), which run once
+    on the sum (and, on a node at the cut, in each head's pass too, with no gradient
+    for its outputs: NOTE [ Where a head's pass stops ]), and a custom ``Function``
+    whose backward is not linear (one that clips). ``strategy="passes"`` runs them as
+    the plain loop does.
     """
     lower: set = set().union(*(head.lower for head in heads))
     if not lower:
@@ -250,6 +270,8 @@ def _hooked(heads) -> bool:
             leaf = node.variable
             if leaf._backward_hooks or getattr(leaf, "_post_accumulate_grad_hooks", None):
                 return True
+        elif _is_function(node, "BackwardHookFunction", "torch.nn.modules._functions"):
+            return True  # a module's backward hooks
     cut = {(e.node, e.output_nr) for head in heads for e in head.cut}
     for t in _outputs.live(made_before=True):
         try:
@@ -259,6 +281,13 @@ def _hooked(heads) -> bool:
         if (t._backward_hooks and fn in lower) or (t.retains_grad and (fn, t.output_nr) in cut):
             return True
     return False
+
+
+def _add_each(cut: dict, edges: list[GradientEdge], grads) -> None:
+    """:func:`_add` each of a head's gradients at its cut (none left bound here)."""
+    for edge, g in zip(edges, grads):
+        if g is not None:
+            _add(cut, edge, g)
 
 
 def _add(cut: dict, edge: GradientEdge, g: torch.Tensor) -> None:
@@ -275,6 +304,26 @@ def _add(cut: dict, edge: GradientEdge, g: torch.Tensor) -> None:
         cut[key] = (held[0] + g, True)
 
 
+def _to_the_cut(head: _Head) -> tuple:
+    """A head's pass down to its cut (NOTE [ Where a head's pass stops ]): the
+    gradients that arrive at its cut edges, after the hooks of the tensors there, and
+    the leaves its upper part feeds accumulated into ``.grad`` as a plain pass does."""
+    if head.stop == "capture":
+        with _accumulating(head.leaves):
+            got = torch.autograd.grad(head.loss, [*head.cut, *head.leaves], retain_graph=True,
+                                      allow_unused=True)
+        return got[:len(head.cut)]
+    captured: dict = {}
+    hooks = [edge.node.register_prehook(functools.partial(_capture, captured, edge.node))
+             for edge in {e.node: e for e in head.cut}.values()]
+    try:
+        torch.autograd.backward(head.loss, inputs=[*head.leaves, *head.cut], retain_graph=True)
+    finally:
+        for hook in hooks:
+            hook.remove()
+    return [captured.get((edge.node, edge.output_nr)) for edge in head.cut]
+
+
 def _capture(captured: dict, node, grad_outputs) -> None:
     """A cut node's prehook: keep the gradients that reached it. Its own backward then
     runs with none of its outputs needed (the pass stops here), so computes nothing
@@ -282,6 +331,46 @@ def _capture(captured: dict, node, grad_outputs) -> None:
     for nr, g in enumerate(grad_outputs):
         if g is not None:
             captured[(node, nr)] = g
+
+
+@contextlib.contextmanager
+def _accumulating(leaves: list):
+    """Inside, a pass of ``torch.autograd.grad`` that takes these leaves' gradients
+    accumulates each into its ``.grad`` as it arrives, as a plain pass does.
+
+    NOTE [ Leaves accumulated as they arrive ]
+    ``torch.autograd.grad`` captures a leaf's gradient after its tensor hooks and
+    holds it until the pass ends: a head's parameters' gradients all alive at once,
+    where a plain pass gives each to ``AccumulateGrad`` and lets it go. So a last
+    tensor hook on each leaf gives the gradient, which the leaf's own hooks have made,
+    to its ``AccumulateGrad`` right away (a pass of its own, from the leaf: the layout
+    of ``.grad``, post-accumulate-grad hooks, the node's hooks, DDP's among them, as a
+    plain pass runs them), the leaf's tensor hooks held back there as they ran, and
+    leaves a placeholder of zero strides to be captured. One cost stays: where
+    ``.grad`` is ``None``, ``AccumulateGrad`` copies the gradient, which the pass
+    still references, where a plain pass's is taken over (a head of two 4096 x 4096
+    layers, ``.grad`` set to ``None``: 196 MiB at the peak, 204 holding them all, 136
+    for the hand-made cut). Only heads whose cut needs the capture pay it.
+    """
+    handles = [leaf.register_hook(functools.partial(_accumulate_now, leaf)) for leaf in leaves]
+    try:
+        yield
+    finally:
+        for handle in handles:
+            handle.remove()
+
+
+def _accumulate_now(leaf: torch.Tensor, grad: torch.Tensor):
+    hooks = leaf._backward_hooks  # the dict the leaf's C++ hook reads: emptied in place, then refilled
+    held = list(hooks.items())
+    hooks.clear()
+    try:
+        torch.autograd.backward([leaf], [grad])
+    finally:
+        hooks.update(held)
+    if grad.layout is not torch.strided:  # a sparse gradient: small, captured as it is
+        return None
+    return torch.zeros((), dtype=grad.dtype, device=grad.device).expand(grad.shape)
 
 
 def _pass(call: str, outputs, keep, guards, run, edges=()):
@@ -317,6 +406,7 @@ class _Head:
     guards: list  # (node, output number, reason) its pass must not free
     leaves: list = dataclasses.field(default_factory=list)  # what its pass accumulates into
     lower: set = dataclasses.field(default_factory=set)  # the nodes below its cut: the trunk's pass runs them
+    stop: str = "inputs"  # how its pass stops at the cut: NOTE [ Where a head's pass stops ]
 
 
 def _items(losses, call: str) -> list:
@@ -379,10 +469,10 @@ def _eager_heads(items: list[torch.Tensor], call: str) -> list[_Head]:
     trunk = {node for node, who in owners.items() if len(who) > 1 and _shared(node, who, supports)}
     heads = []
     for i, t in enumerate(items):
-        cut, leaves, lower = _cut(t, trunk.__contains__)
+        cut, leaves, lower, stop = _cut(t, trunk.__contains__)
         later = [(u.grad_fn, u.output_nr, _LATER_REASON.format(call=call)) for u in items[i + 1:]]
         guards = later + [(e.node, None, _TRUNK_REASON.format(call=call)) for e in cut]
-        heads.append(_Head(t, cut, guards, leaves, lower))
+        heads.append(_Head(t, cut, guards, leaves, lower, stop))
     return heads
 
 
@@ -406,15 +496,17 @@ def _lazy_heads(items: list[Callable], call: str):
         with track():
             loss = build()
         _check_loss(loss, f"losses[{i}]()", call)
-        cut, leaves, lower = _cut(loss, lambda node, start=start: (not is_accumulator(node)
-                                                                     and node._sequence_nr() < start))
-        yield _Head(loss, cut, [(e.node, None, _TRUNK_REASON.format(call=call)) for e in cut], leaves, lower)
+        cut, leaves, lower, stop = _cut(loss, lambda node, start=start: (
+            not is_accumulator(node) and node._sequence_nr() < start))
+        yield _Head(loss, cut, [(e.node, None, _TRUNK_REASON.format(call=call)) for e in cut], leaves, lower,
+                    stop)
 
 
-def _cut(loss: torch.Tensor, in_trunk) -> tuple[list[GradientEdge], list[torch.Tensor], set]:
-    """Where ``loss``'s pass stops, the leaves it accumulates into, and the lower part:
-    the edges from the upper part of its graph into the lower part, which holds what
-    ``in_trunk`` says and all it reaches (NOTE [ Heads, the trunk, and the cut ])."""
+def _cut(loss: torch.Tensor, in_trunk) -> tuple[list[GradientEdge], list[torch.Tensor], set, str]:
+    """Where ``loss``'s pass stops, the leaves it accumulates into, the lower part, and
+    how its pass stops (NOTE [ Where a head's pass stops ]): the edges from the upper
+    part of its graph into the lower part, which holds what ``in_trunk`` says and all
+    it reaches (NOTE [ Heads, the trunk, and the cut ])."""
     root = loss.grad_fn
     parents: dict = collections.defaultdict(list)
     order, seen = [root], {root}
@@ -435,7 +527,7 @@ def _cut(loss: torch.Tensor, in_trunk) -> tuple[list[GradientEdge], list[torch.T
             break
         _close(lower, moved)
     if root in lower:
-        return [GradientEdge(root, loss.output_nr)], [], lower
+        return [GradientEdge(root, loss.output_nr)], [], lower, "inputs"
     cut, taken, leaves = [], set(), []
     for node in order:
         upper_parent = any(p not in lower for p, _ in parents[node])
@@ -447,7 +539,39 @@ def _cut(loss: torch.Tensor, in_trunk) -> tuple[list[GradientEdge], list[torch.T
                 if (node, nr) not in taken:
                     taken.add((node, nr))
                     cut.append(GradientEdge(node, nr))
-    return cut, leaves, lower
+    return cut, leaves, lower, _stop(order, lower, cut)
+
+
+def _stop(order: list, lower: set, cut: list[GradientEdge]) -> str:
+    """How a head's pass stops at its cut.
+
+    NOTE [ Where a head's pass stops ]
+    ``backward(loss, inputs=[*leaves, *cut])`` ("inputs") stops a head's pass at the
+    cut and accumulates its leaves as a plain pass does, as it goes (``AccumulateGrad``
+    takes a gradient over as ``.grad`` where there was none); but it runs the cut's
+    nodes, with none of their outputs wanted: PyTorch's compute nothing then, a
+    custom ``Function``'s ``backward`` runs once more, and a checkpointed region's
+    node recomputes (non-reentrant) or raises (reentrant: "incompatible with
+    .grad()"). Where a cut node is such a node, the pass captures the cut's gradients
+    with ``torch.autograd.grad`` ("capture"), which runs no node it captures at, and
+    accumulates the leaves as their gradients arrive (NOTE [ Leaves accumulated as
+    they arrive ]). A reentrant checkpoint above the cut refuses any pass that stops
+    early: that head runs its whole pass ("whole"), the trunk kept, which gets that
+    loss's gradient in a pass of its own and the other heads' sum in the last, adding
+    up to the same.
+    """
+    if any(_is_function(n, "CheckpointFunction", "torch.utils.checkpoint") for n in order if n not in lower):
+        return "whole"
+    for node in {e.node: None for e in cut}:
+        if getattr(type(node), "_forward_cls", None) is not None or saved(node)[1] == FOREIGN:
+            return "capture"
+    return "inputs"
+
+
+def _is_function(node, name: str, module: str) -> bool:
+    """Whether ``node`` is the backward of the ``autograd.Function`` ``module.name``."""
+    forward = getattr(type(node), "_forward_cls", None)
+    return forward is not None and forward.__name__ == name and forward.__module__ == module
 
 
 def _close(lower: set, nodes) -> None:

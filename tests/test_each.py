@@ -467,3 +467,157 @@ def test_backward_each_keeps_the_cut_where_hooks_are_on_the_heads_only():
         losses = [(x @ h).pow(2).sum() * 3 for h in heads]
     report = gp.backward_each(losses)[-1]
     assert report.strategy.startswith("cut")
+
+
+def _two_heads(build_trunk, head_fn=None, lazy=False, strategy="cut", plain=False):
+    """``(.grad of every parameter, the last report)`` of two linear heads on
+    ``build_trunk(inp)``, by a plain loop or ``backward_each``."""
+    torch.manual_seed(0)
+    trunk = nn.Sequential(nn.Linear(4, 4), nn.Tanh())
+    heads = [nn.Linear(4, 1) for _ in range(2)]
+    inp = torch.randn(3, 4, requires_grad=True)
+    run_head = head_fn or (lambda h, x: h(x).pow(2).sum())
+    with gp.track():
+        x = build_trunk(trunk, inp)
+        if lazy:
+            losses = [lambda h=h: run_head(h, x) for h in heads]
+        else:
+            losses = [run_head(h, x) for h in heads]
+    report = None
+    if plain:
+        for loss in losses:
+            (loss() if lazy else loss).backward(retain_graph=True)
+    else:
+        report = gp.backward_each(losses, strategy=strategy)[-1]
+    return [p.grad for m in (trunk, *heads) for p in m.parameters()] + [inp.grad], report
+
+
+def _clipped_backward(trunk, inp):
+    trunk[1].register_full_backward_hook(lambda m, gi, go: (gi[0].clamp(-0.05, 0.05),))
+    return trunk(inp)
+
+
+@pytest.mark.parametrize("lazy", [False, True], ids=["tensors", "callables"])
+def test_a_modules_backward_hook_in_the_trunk_runs_once_per_loss(lazy):
+    """A full backward hook that clips, on the trunk's last module: the cut ran it once,
+    on the heads' summed gradient (NOTE [ Hooks at the cut ])."""
+    want, _ = _two_heads(_clipped_backward, lazy=lazy, plain=True)
+    got, report = _two_heads(_clipped_backward, lazy=lazy)
+    for g, w in zip(got, want):
+        assert_close(g, w)
+    assert report.strategy.startswith("passes")
+
+
+class _Halved(torch.autograd.Function):
+    """A custom Function at the trunk's output: its backward counts its calls."""
+
+    calls: list = []
+
+    @staticmethod
+    def forward(ctx, a):
+        return a * 1
+
+    @staticmethod
+    def backward(ctx, g):
+        _Halved.calls.append(g.norm().item())
+        return g * 0.5
+
+
+@pytest.mark.parametrize("lazy", [False, True], ids=["tensors", "callables"])
+def test_a_custom_function_at_the_cut_runs_once_on_the_sum_not_in_each_heads_pass(lazy):
+    """NOTE [ Where a head's pass stops ]: backward(inputs=cut) ran the cut's nodes in
+    every head's pass (a custom Function's backward T + 1 times)."""
+    def build(trunk, inp):
+        return _Halved.apply(trunk(inp))
+
+    _Halved.calls = []
+    want, _ = _two_heads(build, lazy=lazy, plain=True)
+    assert len(_Halved.calls) == 2
+    _Halved.calls = []
+    got, report = _two_heads(build, lazy=lazy)
+    for g, w in zip(got, want):
+        assert_close(g, w)
+    assert len(_Halved.calls) == 1  # on the heads' summed gradient: linear, so the same
+    assert report.strategy.startswith("cut")
+
+
+def _checkpointed_trunk(trunk, inp):
+    return torch.utils.checkpoint.checkpoint(trunk, inp, use_reentrant=True)
+
+
+def _checkpointed_head(h, x):
+    return torch.utils.checkpoint.checkpoint(lambda t: h(t).pow(2).sum(), x, use_reentrant=True)
+
+
+@pytest.mark.parametrize("lazy", [False, True], ids=["tensors", "callables"])
+@pytest.mark.parametrize("where", ["trunk", "head"])
+def test_backward_each_through_a_reentrant_checkpoint_equals_the_plain_loop(where, lazy):
+    """A reentrant checkpoint refuses a pass that stops early: at the trunk's output, the
+    heads' passes ran its node (RuntimeError: incompatible with .grad()); in a head, its
+    pass to the cut does (NOTE [ A reentrant checkpoint in a head ])."""
+    build = _checkpointed_trunk if where == "trunk" else (lambda trunk, inp: trunk(inp))
+    head = _checkpointed_head if where == "head" else None
+    want, _ = _two_heads(build, head, lazy=lazy, plain=True)
+    got, report = _two_heads(build, head, lazy=lazy)
+    for g, w in zip(got, want):
+        assert_close(g, w)
+    assert report.strategy.startswith("cut")
+    assert ("reentrant checkpoint" in report.strategy) == (where == "head")
+
+
+def test_grads_each_accumulates_a_head_parameter_through_its_hook_once():
+    """grads_each(accumulate=) took the heads' gradients with their hooks applied, then
+    accumulated them through AccumulateGrad, which ran the hooks again (.grad doubled)."""
+    def run(plain):
+        torch.manual_seed(0)
+        w = torch.randn(4, 4, requires_grad=True)
+        heads = [torch.randn(4, 1, requires_grad=True) for _ in range(2)]
+        calls = []
+        for h in heads:
+            h.register_hook(lambda g: (calls.append(1), g * 2)[1])
+        with gp.track():
+            x = (torch.randn(3, 4) @ w).tanh()
+            losses = [(x @ h).pow(2).sum() for h in heads]
+        if plain:
+            rows = []
+            for loss in losses:
+                rows.append(torch.autograd.grad(loss, [w], retain_graph=True))
+                loss.backward(inputs=heads, retain_graph=True)
+        else:
+            rows = gp.grads_each(losses, [w], accumulate=heads)
+        return rows, [h.grad for h in heads], len(calls), [h._backward_hooks for h in heads]
+
+    want_rows, want_grads, want_calls, _ = run(True)
+    rows, grads, calls, hooks = run(False)
+    assert_close(rows, want_rows)
+    assert_close(grads, want_grads)
+    assert calls == want_calls == 2
+    assert all(len(d) == 1 for d in hooks)  # held back during the accumulation, then restored
+
+
+@pytest.mark.parametrize("checkpointed", ["both", "the deeper"])
+def test_heads_that_run_whole_passes_leave_nothing_of_the_trunk(checkpointed):
+    """A head with a reentrant checkpoint runs its whole pass, the trunk kept: the trunk
+    goes after the last pass, the part only such a head taps (deeper) too."""
+    def run(plain):
+        torch.manual_seed(0)
+        trunk = nn.Sequential(nn.Linear(4, 4), nn.Tanh(), nn.Linear(4, 4))
+        heads = [nn.Linear(4, 1) for _ in range(2)]
+        with gp.track():
+            deep = trunk[:2](torch.randn(3, 4))
+            x = trunk[2](deep)
+            first = _checkpointed_head(heads[0], deep)  # taps the trunk below x
+            second = _checkpointed_head(heads[1], x) if checkpointed == "both" else heads[1](x).pow(2).sum()
+        if plain:
+            for loss in (first, second):
+                loss.backward(retain_graph=True)
+            return [p.grad for m in (trunk, *heads) for p in m.parameters()], None, deep
+        reports = gp.backward_each([first, second])
+        return [p.grad for m in (trunk, *heads) for p in m.parameters()], reports, deep
+
+    want, _, _ = run(True)
+    got, reports, deep = run(False)
+    for g, w in zip(got, want):
+        assert_close(g, w)
+    assert "reentrant checkpoint" in reports[-1].strategy
+    assert not _live_handles(deep)
