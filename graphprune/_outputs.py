@@ -291,32 +291,45 @@ def _locals_of(frame) -> dict:
     a dict the frame keeps until it ends: a tensor the function then ``del``s would
     stay alive through it (its memory, and the graph it holds). So the copy is taken
     and the frame's dict emptied; the next reader (a debugger, ``locals()``) refills it.
+    Not where the program holds that dict (``cfg = locals()``: the one dict a frame
+    has): it stays, refreshed as a ``locals()`` call would refresh it.
     """
     if not (_SNAPSHOTS and frame.f_code.co_flags & _CO_OPTIMIZED):
         return frame.f_locals
     snapshot = frame.f_locals
     mine = dict(snapshot)
-    snapshot.clear()
+    if sys.getrefcount(snapshot) <= _FRAMES_OWN:
+        snapshot.clear()
     return mine
 
 
+_FRAMES_OWN = 3  # references to a frame's locals dict nobody else holds: the frame's, ours, getrefcount's
+_SCAN_AT_MOST = 256  # items of a container name_in_frames looks through: a loss is in a short list
+
+
 def _name_in(t: torch.Tensor, local_vars) -> str | None:
+    """The name ``local_vars`` have for ``t``: a variable, or an item or attribute of
+    one; containers of more than ``_SCAN_AT_MOST`` items (a metrics log) are passed over."""
     items = list(local_vars.items())
     for name, value in items:
         if value is t:
             return name
     for name, value in items:
         if isinstance(value, (list, tuple)):
-            for i, v in enumerate(value):
-                if v is t:
-                    return f"{name}[{i}]"
+            if len(value) <= _SCAN_AT_MOST:
+                for i, v in enumerate(value):
+                    if v is t:
+                        return f"{name}[{i}]"
         elif isinstance(value, dict):
-            for key, v in value.items():
-                if v is t:
-                    as_attr = isinstance(key, str) and getattr(value, key, None) is t  # ModelOutput
-                    return f"{name}.{key}" if as_attr else f"{name}[{key!r}]"
+            if len(value) <= _SCAN_AT_MOST:
+                for key, v in value.items():
+                    if v is t:
+                        as_attr = isinstance(key, str) and getattr(value, key, None) is t  # ModelOutput
+                        return f"{name}.{key}" if as_attr else f"{name}[{key!r}]"
         elif hasattr(value, "__dict__") and not isinstance(value, (torch.Tensor, type)):
-            for attr, v in vars(value).items():
-                if v is t:
-                    return f"{name}.{attr}"
+            attrs = vars(value)
+            if len(attrs) <= _SCAN_AT_MOST:
+                for attr, v in attrs.items():
+                    if v is t:
+                        return f"{name}.{attr}"
     return None

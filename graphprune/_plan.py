@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import collections
 import functools
+import itertools
 import weakref
 
 import torch
@@ -27,7 +28,7 @@ from ._graph import (
     saves_nothing,
     saves_one,
 )
-from ._marks import FINISHED, RELEASED, marking_released
+from ._marks import FINISHED, RELEASED, hooked_outputs, marking_released, none_hooked
 from ._report import (
     KeptReason,
     PruneReport,
@@ -324,7 +325,8 @@ class Plan:
         this pass's own graph task: a reentrant pass started by a hook inside it
         (implicit layers) may run the node again."""
         task = [None]
-        zero_only = _zero_only_released(self.reach, self._routers)
+        roots = [t.grad_fn for t in self.outputs] + self._edge_nodes
+        zero_only = _zero_only_released(roots, self.reach, self._routers)
         note = functools.partial(_note_task, task, zero_only, self._zero_keys)
         for fn in {fn: None for fn in [t.grad_fn for t in self.outputs] + self._edge_nodes}:
             self._hooks.append(fn.register_prehook(note))
@@ -682,10 +684,11 @@ def _note_task(task: list, zero_only: list, keys: list, grad_outputs) -> None:
         keys += known_zero(zero_only, task[0])
 
 
-def _zero_only_released(reached: dict, supports: dict) -> list:
-    """The released nodes a pass from the walk's roots runs with zeros only: below an
-    edge routing sends no gradient along, and below no other (NOTE [ Zeros known
-    without looking ] in ``_zero.py``)."""
+def _zero_only_released(roots: list, reached: dict, supports: dict) -> list:
+    """The released nodes a pass from ``roots`` (reaching ``reached``) runs with zeros
+    only: below an edge routing sends no gradient along, and below no other (NOTE
+    [ Zeros known without looking ] in ``_zero.py``); none where a node of the pass
+    may make a zero gradient non-zero (NOTE [ Zeros that may not stay zeros ])."""
     out: list = []
     seen: set = set()
     stack = [c for node in supports for c, _ in node.next_functions if c is not None and c not in reached]
@@ -697,7 +700,35 @@ def _zero_only_released(reached: dict, supports: dict) -> list:
         if RELEASED in node.metadata:
             out.append(node)
         stack += [c for c, _ in node.next_functions if c is not None and c not in reached and c not in seen]
+    if out and _may_make_zeros_nonzero(itertools.chain(roots, reached, seen)):
+        return []
     return out
+
+
+def _may_make_zeros_nonzero(nodes) -> bool:
+    """NOTE [ Zeros that may not stay zeros ]
+    Routing knows which entries of a stacked loss a pass sends gradients to, and a
+    node's backward is linear in its incoming gradient: zeros in, zeros out. A hook
+    need not be (``g + noise``, a bias), nor a custom ``Function``'s backward: one on
+    the way from the pass's roots to a released node may turn the zeros routing
+    promised into a gradient plain PyTorch would send on. So where the pass's graph
+    (what it reaches, and the released part routing sends zeros to) holds such a
+    node, the pass checks every released node it runs (raising if one gets a
+    non-zero gradient), as it does where routing knows nothing: on the CPU at once,
+    on a GPU with one wait at the end of the pass. Seen: a node a ``register_hook``
+    call under ``track()`` marked, one whose live tensor graphprune knows has hooks,
+    a custom ``Function``'s node (a module's backward hooks, a checkpoint, a compiled
+    region among them); not seen: a hook registered outside ``track()`` on a tensor
+    that has died since, and ``Node`` hooks.
+    """
+    nodes = list(nodes)
+    marks = not none_hooked()
+    for node in nodes:
+        if getattr(type(node), "_forward_cls", None) is not None or (marks and hooked_outputs(node)):
+            return True
+    hooked = {t.grad_fn for t in _outputs.live(made_before=True) if t._backward_hooks}
+    hooked.discard(None)
+    return bool(hooked) and any(node in hooked for node in nodes)
 
 
 def _release_after_run(handles: list[SavedHandle], reason: str, task: list, grad_inputs, grad_outputs):

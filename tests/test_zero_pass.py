@@ -352,3 +352,38 @@ def test_graphprune_imported_under_inference_mode_and_a_default_device_still_gua
     )
     assert out["released"] >= 1 and out["raised"]
     assert_close(torch.tensor(out["grad"]), 2 * torch.linspace(0.1, 0.9, 4).exp() ** 2)
+
+
+class _Biased(torch.autograd.Function):
+    """A custom Function whose backward is not linear: zeros in, 0.1 out."""
+
+    @staticmethod
+    def forward(ctx, a):
+        return a.clone()
+
+    @staticmethod
+    def backward(ctx, g):
+        return g + 0.1
+
+
+@pytest.mark.parametrize("where", ["hook on a head feature", "hook on the stacked losses", "custom Function"])
+def test_a_pass_where_a_node_may_make_zeros_nonzero_checks_the_released_heads(where):
+    """NOTE [ Zeros that may not stay zeros ] in _plan.py: gp.backward(losses[1]) marked
+    head 0 zero-only from routing alone, and a hook or a Function there made its zero
+    gradient 0.1: the released node's outputs were zeroed, a different .grad with no
+    error. Plain PyTorch computes with that gradient; graphprune cannot, and says so."""
+    torch.manual_seed(0)
+    w, h0, h1 = (torch.randn(4, requires_grad=True) for _ in range(3))
+    with gp.track():
+        x = w.exp()
+        a = (x * h0).sin()
+        if where == "hook on a head feature":
+            a.register_hook(lambda g: g + 0.1)
+        elif where == "custom Function":
+            a = _Biased.apply(a)
+        losses = torch.stack([(a * a).sum(), (x * h1).cos().sum()])
+        if where == "hook on the stacked losses":
+            losses.register_hook(lambda g: g + 0.1)
+    gp.backward(losses[0])
+    with pytest.raises(gp.ReleasedTensorError, match="released by graphprune.backward"):
+        gp.backward(losses[1])
