@@ -46,7 +46,7 @@ from torch.autograd.graph import GradientEdge
 
 from . import _outputs, _routing
 from ._graph import FOREIGN, _is_router, is_accumulator, reach, saved
-from ._marks import hooked_outputs, none_hooked
+from ._marks import is_hooked
 from ._plan import Plan
 from ._prune import _remember
 from ._report import PruneReport
@@ -263,7 +263,7 @@ def _hooked(heads) -> bool:
     lower: set = set().union(*(head.lower for head in heads))
     if not lower:
         return False
-    if not none_hooked() and any(hooked_outputs(node) for node in lower):
+    if any(map(is_hooked, lower)):
         return True
     for node in lower:
         if is_accumulator(node):
@@ -272,14 +272,15 @@ def _hooked(heads) -> bool:
                 return True
         elif _is_function(node, "BackwardHookFunction", "torch.nn.modules._functions"):
             return True  # a module's backward hooks
+    if not _outputs.hooked_nodes().isdisjoint(lower):
+        return True
     cut = {(e.node, e.output_nr) for head in heads for e in head.cut}
     for t in _outputs.live(made_before=True):
         try:
-            fn = t.grad_fn
+            if t.retains_grad and (t.grad_fn, t.output_nr) in cut:
+                return True
         except RuntimeError:  # a view made under no_grad and modified in place
             continue
-        if (t._backward_hooks and fn in lower) or (t.retains_grad and (fn, t.output_nr) in cut):
-            return True
     return False
 
 

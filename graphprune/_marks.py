@@ -10,7 +10,7 @@ import weakref
 
 __all__ = [
     "RELEASED", "FINISHED", "GUARDED", "STRAYS", "HOOKED", "node_name", "marking_released", "none_released",
-    "mark_hooked", "hooked_outputs", "none_hooked",
+    "mark_hooked", "is_hooked",
 ]
 
 RELEASED = "graphprune.released"  # lost saved tensors to a prune; the value says which call
@@ -43,42 +43,29 @@ def none_released() -> bool:
 
 
 class _Hooked:
-    """The outputs of a node whose tensors had hooks registered (``register_hook``)
-    under ``track()``: held by the node's metadata, and weakly in ``_hooked``, so that
-    "no node alive is marked" is one check (as NOTE [ No node released ])."""
+    """The mark of a node whose tensors had hooks registered (``register_hook``) under
+    ``track()``: held by the node's metadata, and weakly in ``_hooked``, so that "no
+    node alive is marked" is one check (as NOTE [ No node released ])."""
 
-    __slots__ = ("outputs", "__weakref__")
-
-    def __init__(self) -> None:
-        self.outputs: set[int] = set()
+    __slots__ = ("__weakref__",)
 
 
 _hooked: weakref.WeakSet = weakref.WeakSet()
 
 
-def mark_hooked(node, output_nr: int) -> None:
-    """A hook was registered on ``node``'s output ``output_nr`` (NOTE [ Hooks at the
-    cut ] in ``_each.py``): it runs wherever that output's gradient arrives, while the
-    node lives, however long the tensor does."""
+def mark_hooked(node) -> None:
+    """A hook was registered on an output of ``node`` (NOTE [ Hooks at the cut ] in
+    ``_each.py``): it runs wherever that output's gradient arrives, while the node
+    lives, however long the tensor does."""
     md = node.metadata
-    mark = md.get(HOOKED)
-    if mark is None:
-        mark = md[HOOKED] = _Hooked()
+    if HOOKED not in md:
+        md[HOOKED] = mark = _Hooked()
         _hooked.add(mark)
-    mark.outputs.add(output_nr)
 
 
-def hooked_outputs(node) -> set[int]:
-    """The outputs of ``node`` that a hook registered under ``track()`` watches."""
-    if not _hooked:
-        return set()
-    mark = node.metadata.get(HOOKED)
-    return set() if mark is None else set(mark.outputs)
-
-
-def none_hooked() -> bool:
-    """Whether no live node carries a hook mark."""
-    return not _hooked
+def is_hooked(node) -> bool:
+    """Whether a hook registered under ``track()`` watches an output of ``node``."""
+    return bool(_hooked) and HOOKED in node.metadata
 
 
 def node_name(node) -> str:

@@ -40,8 +40,8 @@ from torch.autograd.graph import Node
 from ._marks import FINISHED
 
 __all__ = [
-    "Output", "note", "note_one", "live", "live_graphs", "live_roots", "output_of", "describe",
-    "name_in_frames", "settle",
+    "Output", "note", "note_one", "live", "live_graphs", "live_roots", "hooked_nodes", "output_of",
+    "describe", "name_in_frames", "settle",
 ]
 
 _TORCH_DIR = os.path.dirname(torch.__file__)
@@ -221,6 +221,19 @@ def live(made_before: bool = False) -> list[torch.Tensor]:
     a tape opened that a tracked call used)."""
     _compact()
     return [t for t in (r() for r in list(_outputs) if made_before or r.ours) if t is not None]
+
+
+def hooked_nodes() -> set:
+    """The ``grad_fn`` of each live tensor graphprune has noted (made under a tape, or
+    before one and used by a tracked call) that has tensor hooks."""
+    out = set()
+    for t in live(made_before=True):
+        try:
+            if t._backward_hooks and t.grad_fn is not None:
+                out.add(t.grad_fn)
+        except RuntimeError:  # a view made under no_grad and modified in place
+            continue
+    return out
 
 
 def output_of(t: torch.Tensor) -> Output | None:

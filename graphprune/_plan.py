@@ -28,7 +28,7 @@ from ._graph import (
     saves_nothing,
     saves_one,
 )
-from ._marks import FINISHED, RELEASED, hooked_outputs, marking_released, none_hooked
+from ._marks import FINISHED, RELEASED, is_hooked, marking_released
 from ._report import (
     KeptReason,
     PruneReport,
@@ -328,7 +328,7 @@ class Plan:
         roots = [t.grad_fn for t in self.outputs] + self._edge_nodes
         zero_only = _zero_only_released(roots, self.reach, self._routers)
         note = functools.partial(_note_task, task, zero_only, self._zero_keys)
-        for fn in {fn: None for fn in [t.grad_fn for t in self.outputs] + self._edge_nodes}:
+        for fn in dict.fromkeys(roots):
             self._hooks.append(fn.register_prehook(note))
         for node, live in self.handles_by_node.items():
             release = functools.partial(_release_after_run, live, self.reason, task)
@@ -722,13 +722,10 @@ def _may_make_zeros_nonzero(nodes) -> bool:
     that has died since, and ``Node`` hooks.
     """
     nodes = list(nodes)
-    marks = not none_hooked()
-    for node in nodes:
-        if getattr(type(node), "_forward_cls", None) is not None or (marks and hooked_outputs(node)):
-            return True
-    hooked = {t.grad_fn for t in _outputs.live(made_before=True) if t._backward_hooks}
-    hooked.discard(None)
-    return bool(hooked) and any(node in hooked for node in nodes)
+    if any(getattr(type(node), "_forward_cls", None) is not None or is_hooked(node) for node in nodes):
+        return True
+    hooked = _outputs.hooked_nodes()
+    return bool(hooked) and not hooked.isdisjoint(nodes)
 
 
 def _release_after_run(handles: list[SavedHandle], reason: str, task: list, grad_inputs, grad_outputs):

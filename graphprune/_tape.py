@@ -263,12 +263,12 @@ def _call_registering_hook(call, func, args, kwargs):
     if isinstance(t, _Tensor):
         try:
             with _NoSubclassDispatch():
-                fn, nr = t.grad_fn, t.output_nr
+                fn = t.grad_fn
         except RuntimeError:  # a view made under no_grad, modified in place
             fn = None
         if fn is not None:
             children(fn)  # a wrapper made in the forward: NOTE [ Deep graphs and Python wrappers ]
-            mark_hooked(fn, nr)
+            mark_hooked(fn)
     _note_safely(out, args)
     return out
 
