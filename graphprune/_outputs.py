@@ -142,6 +142,9 @@ def _inside_library(code) -> bool:
     standard library: a creation site is the user's own line, not one of those."""
     inside = _library_code.get(id(code))
     if inside is None:
+        if len(_pinned_code) > 65536:  # generated code (torch.fx, exec) makes ever new code objects
+            _library_code.clear()
+            _pinned_code.clear()
         _pinned_code.append(code)
         inside = _library_code[id(code)] = code.co_filename.startswith(_LIBRARY_DIRS)
     return inside

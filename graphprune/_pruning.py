@@ -42,6 +42,7 @@ from torch.overrides import TorchFunctionMode
 from . import _prune
 from ._plan import _keep_roots
 from ._report import PruneReport
+from ._warn import is_module_namespace
 
 __all__ = ["pruning", "Pruning"]
 
@@ -214,12 +215,14 @@ def _at(site, fn, args):
         return fn(*args)
     key = (site.f_code, site.f_lineno)
     trampoline = _sites.get(key)
-    if trampoline is None:
+    if trampoline is None or trampoline.__globals__ is not site.f_globals:
         if len(_sites) > 4096:
             _sites.clear()
         line = max(2, key[1] or site.f_code.co_firstlineno)
         code = _CODE.replace(co_filename=site.f_code.co_filename, co_firstlineno=line - 1)
-        trampoline = _sites[key] = types.FunctionType(code, site.f_globals, _TRAMPOLINE)
+        trampoline = types.FunctionType(code, site.f_globals, _TRAMPOLINE)
+        if is_module_namespace(site.f_globals):  # no exec'd globals kept (_tape._call_site)
+            _sites[key] = trampoline
     return trampoline(fn, args)
 
 

@@ -254,13 +254,16 @@ def _written(key, shape: tuple):
         if isinstance(k, slice) and k == slice(None):
             d += 1
             continue
-        if not isinstance(k, slice):
-            if isinstance(k, (bool, torch.Tensor)) or not hasattr(k, "__index__"):
-                return None  # tensors, lists, None, Ellipsis: not worth routing
-            k = operator.index(k)
-            indices = frozenset((k % shape[d],)) if -shape[d] <= k < shape[d] else None
-        else:
-            indices = frozenset(range(*k.indices(shape[d])))
+        try:
+            if not isinstance(k, slice):
+                if isinstance(k, (bool, torch.Tensor)) or not hasattr(k, "__index__"):
+                    return None  # tensors, lists, None, Ellipsis: not worth routing
+                k = operator.index(k)
+                indices = frozenset((k % shape[d],)) if -shape[d] <= k < shape[d] else None
+            else:
+                indices = frozenset(range(*k.indices(shape[d])))
+        except (TypeError, ValueError):  # __index__ that refuses (a numpy array, np.bool_)
+            return None  # PyTorch took the key as an index array or a mask: not routed
         if not all(r is Ellipsis or (isinstance(r, slice) and r == slice(None)) for r in items[i + 1:]):
             return None  # a block of the dim's entries, not whole ones: not routed
         return None if not indices else (d, indices, shape[d])

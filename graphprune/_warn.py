@@ -14,7 +14,7 @@ import warnings
 
 from .errors import GraphPruneWarning
 
-__all__ = ["warn_at_caller"]
+__all__ = ["warn_at_caller", "is_module_namespace"]
 
 _OWN_DIR = os.path.dirname(__file__)
 
@@ -70,3 +70,18 @@ def warn_at_caller(message: str, kind: str | None = None) -> None:
                                module_globals=module_globals, **where)
     except ImportError:  # `python -c`, stdin: __main__'s loader has no source to give
         warnings.warn_explicit(message, GraphPruneWarning, frame.f_code.co_filename, frame.f_lineno, **where)
+
+
+def is_module_namespace(namespace: dict) -> bool:
+    """Whether ``namespace`` (a frame's globals) is the namespace of a module in
+    ``sys.modules``, which lives as long as the program whatever holds it; not the
+    globals of ``exec``'d code or a doctest.
+
+    Example::
+
+        >>> is_module_namespace(vars(os)), is_module_namespace({"__name__": "os"})
+        (True, False)
+    """
+    name = namespace.get("__name__")
+    module = sys.modules.get(name) if type(name) is str else None
+    return module is not None and getattr(module, "__dict__", None) is namespace

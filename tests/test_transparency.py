@@ -12,8 +12,10 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import gc
 import os
 import threading
+import types
 import warnings
 from typing import Any, Callable, NamedTuple
 
@@ -181,6 +183,29 @@ def test_no_grad_slice_update_of_a_leaf():
             w[2:].copy_(torch.ones(2))
         (w * w).sum().backward()
         return w, w.grad
+
+    both(fn)
+
+
+@pytest.mark.parametrize("key", ["array_row", "array_mask", "numpy_bool", "numpy_int"])
+def test_item_assignment_with_numpy_keys(key):
+    # a numpy array has __index__, which refuses: routing's parse of the key raised
+    # TypeError after the assignment had run (reported in a review of track())
+    np = pytest.importorskip("numpy")
+    keys = {
+        "array_row": (np.array([0, 2]), 0),
+        "array_mask": (np.array([True, False, True]), 1),
+        "numpy_bool": np.True_,
+        "numpy_int": (np.int64(1), slice(None)),
+    }
+
+    def fn():
+        w = torch.randn(3, 2, requires_grad=True)
+        v = torch.tensor([5.0, 6.0], requires_grad=True)
+        x = w.clone()
+        x[keys[key]] = v[:1] if key == "numpy_bool" else v
+        (x * x).sum().backward()
+        return x, w.grad, v.grad
 
     both(fn)
 
@@ -985,3 +1010,44 @@ def test_warnings_of_a_new_function_are_filed_at_its_own_line_when_an_old_ones_c
             (f"<generated {i}>", i + 1)
         ]
         del f, got
+
+
+def test_exec_namespace_and_its_tensors_die_with_it():
+    # the call-site function of exec'd code held the code's globals, so a namespace
+    # with a tensor of its own (and the tensor) outlived every reference the program had
+    import weakref
+
+    ns = {"torch": torch, "big": torch.ones(1 << 16)}
+    exec("def step(x):\n    return (x * big).sum()\n", ns)
+    dead = weakref.ref(ns["big"])
+    x = torch.randn(1 << 16, requires_grad=True)
+    with gp.track():
+        y = ns["step"](x)
+    y.backward()
+    del ns, y
+    gc.collect()
+    assert dead() is None
+
+
+def test_warnings_of_code_run_with_two_namespaces_go_to_each_ones_module():
+    # one code object, two globals (a function copied into another namespace): the
+    # call site kept the first namespace, and the second's warnings were filed in
+    # the first's module, past a filter on that module
+    code = compile("def f(x):\n    return torch.nn.functional.softmax(x)\n", "shared.py", "exec")
+    a = {"__name__": "mod_a", "torch": torch}
+    exec(code, a)
+    f_b = types.FunctionType(a["f"].__code__, {"__name__": "mod_b", "torch": torch})
+    t = torch.randn(2, 3, requires_grad=True)
+
+    def run():
+        with warnings.catch_warnings(record=True) as got:
+            warnings.simplefilter("always")
+            warnings.filterwarnings("ignore", module="mod_b")
+            a["f"](t)
+            f_b(t)
+        return len(got)
+
+    plain = run()
+    with gp.track():
+        tracked = run()
+    assert (plain, tracked) == (1, 1)
