@@ -11,8 +11,9 @@ non-zero one raises :class:`ReleasedTensorError` there, before a kernel could ru
 a placeholder, so never a wrong gradient and never a kernel's own error. All-zero ones mark the node
 for this graph task: the unpack hook then hands it a placeholder for each released
 tensor, and a post-hook (registered by the pre-hook the first time, the engine
-calls it in the same pass) replaces its outputs with zeros, as the placeholder may
-give NaN (Div, Log). The hooks are plain functions shared by every node: a closure
+calls it in the same pass, first of the node's post-hooks) replaces its outputs
+with zeros, as the placeholder may give NaN (Div, Log): a user's post-hook on the
+node sees zeros, as in plain PyTorch. The hooks are plain functions shared by every node: a closure
 that held the node's wrapper would be a reference cycle through C++. The mark is
 keyed by (the node's wrapper, graph task), so a pass that raised midway or another
 thread's pass never sees a stale mark. Placeholders of floating tensors are
@@ -89,7 +90,15 @@ def _zero_or_raise(grad_outputs) -> None:
             _zero_pass.add(key)
     if _ZEROING not in node.metadata:
         node.metadata[_ZEROING] = True
-        node.register_hook(_zero_outputs)
+        handle = node.register_hook(_zero_outputs)
+        hooks = handle.hooks_dict_ref()  # the node's one dict of Python post-hooks
+        if hooks is not None and len(hooks) > 1:
+            # first, so that a user's post-hook registered before sees the zeros; the
+            # engine calls them in the order of the plain dict (move_to_end would not do)
+            others = [(k, v) for k, v in hooks.items() if k != handle.id]
+            hooks.clear()
+            hooks[handle.id] = _zero_outputs
+            hooks.update(others)
 
 
 def _zero_outputs(grad_inputs, grad_outputs):

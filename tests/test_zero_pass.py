@@ -387,3 +387,28 @@ def test_a_pass_where_a_node_may_make_zeros_nonzero_checks_the_released_heads(wh
     gp.backward(losses[0])
     with pytest.raises(gp.ReleasedTensorError, match="released by graphprune.backward"):
         gp.backward(losses[1])
+
+
+def test_a_node_post_hook_registered_before_the_prune_sees_zeros_not_nan():
+    # the user's hook on a released Div node runs after graphprune zeroes the node's
+    # outputs, though it was registered first: it sees what plain PyTorch gives (zeros)
+    w0 = torch.linspace(0.1, 0.9, 4)
+    seen = []
+    w = w0.clone().requires_grad_()
+    with gp.track():
+        x = w.exp()
+        d = x / (x - 0.5)  # its node saves x and x - 0.5: zero placeholders give 0 / 0
+        losses = torch.stack([d.sum(), (x * x).sum()])
+    handle = d.grad_fn.register_hook(lambda grad_inputs, grad_outputs: seen.append(grad_inputs))
+    losses[0].backward(retain_graph=True)
+    gp.prune_after(losses[0])
+    seen.clear()
+    w.grad = None
+    losses[1].backward(retain_graph=True)
+    assert_close(w.grad, 2 * w0.exp() ** 2)
+    assert len(seen) == 1
+    for g in seen[0]:
+        assert_close(g, torch.zeros_like(g))
+    handle.remove()  # the user's handle still removes the user's hook
+    losses[1].backward()
+    assert len(seen) == 1
