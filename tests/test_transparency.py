@@ -17,8 +17,10 @@ import os
 import threading
 import types
 import warnings
+import weakref
 from typing import Any, Callable, NamedTuple
 
+import numpy as np
 import pytest
 import torch
 import torch.autograd.forward_ad as fwAD
@@ -191,7 +193,6 @@ def test_no_grad_slice_update_of_a_leaf():
 def test_item_assignment_with_numpy_keys(key):
     # a numpy array has __index__, which refuses: routing's parse of the key raised
     # TypeError after the assignment had run (reported in a review of track())
-    np = pytest.importorskip("numpy")
     keys = {
         "array_row": (np.array([0, 2]), 0),
         "array_mask": (np.array([True, False, True]), 1),
@@ -1015,8 +1016,6 @@ def test_warnings_of_a_new_function_are_filed_at_its_own_line_when_an_old_ones_c
 def test_exec_namespace_and_its_tensors_die_with_it():
     # the call-site function of exec'd code held the code's globals, so a namespace
     # with a tensor of its own (and the tensor) outlived every reference the program had
-    import weakref
-
     ns = {"torch": torch, "big": torch.ones(1 << 16)}
     exec("def step(x):\n    return (x * big).sum()\n", ns)
     dead = weakref.ref(ns["big"])
