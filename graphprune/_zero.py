@@ -8,16 +8,18 @@ has no tensors left. Backward functions are linear in the incoming gradient, so
 zero in means zero out. A released node gets one pre-hook, which sees the incoming
 gradients before the node runs (NOTE [ A guard registered when first needed ]): any
 non-zero one raises :class:`ReleasedTensorError` there, before a kernel could run on
-a placeholder, so never a wrong gradient and never a kernel's own error. All-zero ones mark the node
-for this graph task: the unpack hook then hands it a placeholder for each released
-tensor, and a post-hook (registered by the pre-hook the first time, the engine
-calls it in the same pass, first of the node's post-hooks) replaces its outputs
-with zeros, as the placeholder may give NaN (Div, Log): a user's post-hook on the
-node sees zeros, as in plain PyTorch. The hooks are plain functions shared by every node: a closure
-that held the node's wrapper would be a reference cycle through C++. The mark is
-keyed by (the node's wrapper, graph task), so a pass that raised midway or another
-thread's pass never sees a stale mark. Placeholders of floating tensors are
-zero-stride (no memory); integer ones are contiguous zeros (indices: 0 is valid along
+a placeholder, so never a wrong gradient and never a kernel's own error. All-zero
+ones mark the node for this graph task: the unpack hook then hands it a placeholder
+for each released tensor, and a post-hook (registered by the pre-hook the first
+time, the engine calls it in the same pass, first of the node's post-hooks) replaces
+its outputs with zeros, as the placeholder may give NaN (Div, Log): a user's
+post-hook on the node sees zeros, as in plain PyTorch. Each hook is registered once
+per node, under a lock, though two threads' passes run the node for the first time
+together. The hooks are plain functions shared by every node: a closure that held
+the node's wrapper would be a reference cycle through C++. The mark is keyed by (the
+node's wrapper, graph task), so a pass that raised midway or another thread's pass
+never sees a stale mark. Placeholders of floating tensors are zero-stride (no
+memory); integer ones are contiguous zeros (indices: 0 is valid along
 any dim that is not empty), or ones for LU pivots, which are 1-based.
 
 NOTE [ A guard registered when first needed ]
@@ -67,6 +69,7 @@ __all__ = ["guard_released", "in_zero_pass", "placeholder", "known_zero", "forge
 _ZEROING = "graphprune.zeroing"  # node.metadata key: the post-hook is registered
 _zero_pass: set[tuple[int, int]] = set()  # (id of the node's wrapper, graph task id)
 _lock = threading.Lock()
+_registering = threading.Lock()  # the hooks a node's first zero pass registers
 
 
 IMMEDIATE = {"cpu"}  # device types whose values are read at once; others: deferred
@@ -88,17 +91,25 @@ def _zero_or_raise(grad_outputs) -> None:
             raise ReleasedTensorError(released_message(node, node.metadata.get(RELEASED)))
         with _lock:
             _zero_pass.add(key)
-    if _ZEROING not in node.metadata:
-        node.metadata[_ZEROING] = True
-        handle = node.register_hook(_zero_outputs)
-        hooks = handle.hooks_dict_ref()  # the node's one dict of Python post-hooks
-        if hooks is not None and len(hooks) > 1:
-            # first, so that a user's post-hook registered before sees the zeros; the
-            # engine calls them in the order of the plain dict (move_to_end would not do)
-            others = [(k, v) for k, v in hooks.items() if k != handle.id]
-            hooks.clear()
-            hooks[handle.id] = _zero_outputs
-            hooks.update(others)
+    md = node.metadata
+    if _ZEROING not in md:
+        with _registering:  # two threads' first zero passes through one node: one hook
+            if _ZEROING not in md:
+                _register_zeroing(node)
+                md[_ZEROING] = True
+
+
+def _register_zeroing(node) -> None:
+    """Register the post-hook that zeroes ``node``'s outputs, first of its post-hooks."""
+    handle = node.register_hook(_zero_outputs)
+    hooks = handle.hooks_dict_ref()  # the node's one dict of Python post-hooks
+    if hooks is not None and len(hooks) > 1:
+        # first, so that a user's post-hook registered before sees the zeros; the
+        # engine calls them in the order of the plain dict (move_to_end would not do)
+        others = [(k, v) for k, v in hooks.items() if k != handle.id]
+        hooks.clear()
+        hooks[handle.id] = _zero_outputs
+        hooks.update(others)
 
 
 def _zero_outputs(grad_inputs, grad_outputs):
@@ -180,8 +191,10 @@ def _first_run(grad) -> None:
     node = torch._C._current_autograd_node()
     md = node.metadata
     if _CHECKED not in md:
-        md[_CHECKED] = True
-        node.register_prehook(_zero_or_raise)
+        with _registering:
+            if _CHECKED not in md:
+                node.register_prehook(_zero_or_raise)
+                md[_CHECKED] = True
 
 
 _CHECKED = "graphprune.checked"  # node.metadata key: its pre-hook is registered

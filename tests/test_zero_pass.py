@@ -5,6 +5,7 @@ nodes too, with zero gradients. Once head 0 is pruned, that must still work.
 """
 
 import contextlib
+import threading
 
 import pytest
 import torch
@@ -412,3 +413,44 @@ def test_a_node_post_hook_registered_before_the_prune_sees_zeros_not_nan():
     handle.remove()  # the user's handle still removes the user's hook
     losses[1].backward()
     assert len(seen) == 1
+
+
+def test_two_threads_first_zero_passes_through_a_released_node_register_its_zeroing_hook_once(monkeypatch):
+    # thread A's first zero pass through the released Div node pauses while it registers
+    # the zeroing post-hook; thread B's pass reaches the same node meanwhile. One hook,
+    # and both passes give plain PyTorch's gradient
+    from graphprune import _zero
+
+    w0 = torch.linspace(0.1, 0.9, 4)
+    w = w0.clone().requires_grad_()
+    with gp.track():
+        x = w.exp()
+        d = x / (x - 0.5)
+        losses = torch.stack([d.sum(), (x * x).sum()])
+    losses[0].backward(retain_graph=True)
+    gp.prune_after(losses[0])
+
+    grads, calls = {}, []
+    register = _zero._register_zeroing
+
+    def second_pass():
+        grads["B"] = torch.autograd.grad(losses[1], w, retain_graph=True)[0]
+
+    def paused_register(node):
+        calls.append(node.name())
+        if len(calls) == 1:  # thread A: let B run while A is inside
+            other = threading.Thread(target=second_pass)
+            other.start()
+            other.join(timeout=0.5)
+            threads.append(other)
+        register(node)
+
+    threads: list = []
+    monkeypatch.setattr(_zero, "_register_zeroing", paused_register)
+    grads["A"] = torch.autograd.grad(losses[1], w, retain_graph=True)[0]
+    threads[0].join(timeout=10)
+    assert not threads[0].is_alive()
+    assert calls == ["DivBackward0"]
+    for got in grads.values():
+        assert_close(got, 2 * w0.exp() ** 2)
+    assert sorted(grads) == ["A", "B"]
