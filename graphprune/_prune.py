@@ -7,6 +7,7 @@ import threading
 from collections.abc import Sequence
 
 import torch
+from torch.autograd.graph import GradientEdge
 
 from ._collector import walks
 from ._graph import is_accumulator, walk
@@ -20,7 +21,16 @@ __all__ = ["prune_after", "explain", "backward", "grad", "last_report"]
 def _leaf_grads(outputs: list[torch.Tensor], inputs) -> list[torch.Tensor]:
     """The ``.grad`` a ``backward`` pass wrote: of ``inputs``, or of every leaf."""
     if inputs is not None:
-        leaves = [inputs] if isinstance(inputs, torch.Tensor) else list(inputs)
+        if isinstance(inputs, (torch.Tensor, GradientEdge)):
+            inputs = [inputs]
+        elif isinstance(inputs, dict):  # torch takes a dict of inputs: its values
+            inputs = inputs.values()
+        leaves = []
+        for t in inputs:
+            if isinstance(t, GradientEdge):  # a leaf's gradient edge ends at its accumulator
+                t = t.node.variable if is_accumulator(t.node) else None
+            if isinstance(t, torch.Tensor):
+                leaves.append(t)
     else:
         nodes = walk(t.grad_fn for t in outputs)
         leaves = [node.variable for node in nodes if is_accumulator(node)]

@@ -554,3 +554,28 @@ def test_a_loss_returned_in_a_named_tuple_of_a_one_argument_call_protects_its_gr
     expected = torch.zeros(4)
     expected[xd.cos().argmax()] = -(xd.sin() * xd)[xd.cos().argmax()]
     assert_close(w.grad, expected)
+
+
+@pytest.mark.parametrize("as_inputs", ["dict", "edge", "list of edges"])
+@pytest.mark.filterwarnings("ignore:Using backward\\(\\) with create_graph=True")
+def test_gp_backward_with_create_graph_takes_inputs_as_torch_does(as_inputs):
+    # a dict of inputs (its values) or gradient edges: _leaf_grads read .grad on the
+    # dict's keys and on an edge's (node, number) after the pass had run
+    from torch.autograd.graph import get_gradient_edge
+
+    make = {"dict": lambda w: {"w": w}, "edge": get_gradient_edge,
+            "list of edges": lambda w: [get_gradient_edge(w)]}[as_inputs]
+
+    def build():
+        w = torch.tensor([0.5, 1.0, 2.0], requires_grad=True)
+        with gp.track():
+            x = w.exp()
+            y1 = (x * x).sin().sum()
+        return w, y1
+
+    w, y1 = build()
+    torch.autograd.backward(y1, inputs=make(w), create_graph=True)
+    expected = w.grad.detach().clone()
+    w, y1 = build()
+    gp.backward(y1, inputs=make(w), create_graph=True)
+    assert_close(w.grad, expected)
