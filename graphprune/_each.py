@@ -191,6 +191,8 @@ def grads_each(losses, inputs, *, keep=None, allow_unused: bool | None = None,
     items = _items(losses, call)
 
     wanted = [inputs] if isinstance(inputs, torch.Tensor) else list(inputs)
+    if not isinstance(inputs, (torch.Tensor, list, tuple)):
+        inputs = wanted  # a generator (model.parameters()): read once, by every pass
     extra = [accumulate] if isinstance(accumulate, torch.Tensor) else list(accumulate)
     for i, t in enumerate(extra):
         if not (isinstance(t, torch.Tensor) and t.is_leaf and t.requires_grad):

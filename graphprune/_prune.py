@@ -175,6 +175,8 @@ def backward(
         tensor([17.4964, 17.4964, 17.4964, 17.4964])
     """
     call = "graphprune.backward"
+    if inputs is not None and not isinstance(inputs, (torch.Tensor, Sequence, dict)):
+        inputs = list(inputs)  # a generator (model.parameters()): the pass and made() both read it
 
     def pass_fn(retain: bool):
         torch.autograd.backward(

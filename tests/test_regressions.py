@@ -579,3 +579,44 @@ def test_gp_backward_with_create_graph_takes_inputs_as_torch_does(as_inputs):
     w, y1 = build()
     gp.backward(y1, inputs=make(w), create_graph=True)
     assert_close(w.grad, expected)
+
+
+def test_grads_each_takes_inputs_as_a_generator_of_parameters():
+    # model.parameters() was used up before the first pass: "inputs cannot be empty"
+    torch.manual_seed(0)
+    trunk, h1, h2 = torch.nn.Linear(3, 4), torch.nn.Linear(4, 1), torch.nn.Linear(4, 1)
+    inp = torch.randn(5, 3)
+
+    def build():
+        f = trunk(inp).tanh()
+        return [h1(f).pow(2).mean(), h2(f).sin().mean()]
+
+    expected = [torch.autograd.grad(loss, tuple(trunk.parameters()), retain_graph=True) for loss in build()]
+    with gp.track():
+        losses = build()
+    rows = gp.grads_each(losses, trunk.parameters())
+    for got, want in zip(rows, expected):
+        assert_close(tuple(got), want)
+
+
+@pytest.mark.filterwarnings("ignore:Using backward\\(\\) with create_graph=True")
+def test_gp_backward_with_create_graph_and_a_generator_of_inputs_keeps_the_gradients_graph():
+    # the pass used up the generator, so the gradients' graphs protected nothing and the
+    # penalty on p.grad met released nodes
+    torch.manual_seed(0)
+    lin = torch.nn.Linear(3, 3)
+    inp = torch.randn(4, 3)
+
+    def penalty_grad(use_gp):
+        for p in lin.parameters():
+            p.grad = None
+        with gp.track():
+            loss = lin(inp).tanh().pow(2).sum()
+        if use_gp:
+            gp.backward(loss, create_graph=True, inputs=lin.parameters())
+        else:
+            torch.autograd.backward(loss, create_graph=True, inputs=list(lin.parameters()))
+        penalty = sum(p.grad.pow(2).sum() for p in lin.parameters())
+        return torch.autograd.grad(penalty, lin.weight)[0]
+
+    assert_close(penalty_grad(True), penalty_grad(False))
