@@ -474,7 +474,7 @@ def _eager_heads(items: list[torch.Tensor], call: str) -> list[_Head]:
     for i, t in enumerate(items):
         cut, leaves, lower, stop = _cut(t, trunk.__contains__)
         later = [(u.grad_fn, u.output_nr, _LATER_REASON.format(call=call)) for u in items[i + 1:]]
-        guards = later + [(e.node, None, _TRUNK_REASON.format(call=call)) for e in cut]
+        guards = later + [(e.node, e.output_nr, _TRUNK_REASON.format(call=call)) for e in cut]
         heads.append(_Head(t, cut, guards, leaves, lower, stop))
     return heads
 

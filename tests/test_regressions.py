@@ -620,3 +620,23 @@ def test_gp_backward_with_create_graph_and_a_generator_of_inputs_keeps_the_gradi
         return torch.autograd.grad(penalty, lin.weight)[0]
 
     assert_close(penalty_grad(True), penalty_grad(False))
+
+
+@pytest.mark.parametrize("pick", ["L[1], L[1], L[0]", "L.mean(), L[1]", "L.sum(), L[0]", "L[0], L[0]"])
+def test_backward_each_cut_keeps_stacked_entries_that_an_earlier_loss_ran_through(pick):
+    # the cut's guard on the StackBackward0 node started on no output, so only the
+    # entries no pass had run through were protected, and a head's pass released the
+    # node below the cut that the trunk's pass then needed
+    def losses():
+        x = w.exp()
+        L = torch.stack([x.sin().sum(), x.cos().sum()])  # noqa: F841 (read by eval)
+        return eval(f"[{pick}]")
+
+    w = torch.tensor([0.1, 0.2, 0.3], requires_grad=True)
+    for loss in losses():
+        loss.backward(retain_graph=True)
+    expected, w.grad = w.grad, None
+    with gp.track():
+        tracked = losses()
+    gp.backward_each(tracked)
+    assert_close(w.grad, expected)
