@@ -191,7 +191,7 @@ def grads_each(losses, inputs, *, keep=None, allow_unused: bool | None = None,
     items = _items(losses, call)
 
     wanted = [inputs] if isinstance(inputs, torch.Tensor) else list(inputs)
-    if not isinstance(inputs, (torch.Tensor, list, tuple)):
+    if not isinstance(inputs, (torch.Tensor, list, tuple, dict)):  # torch takes a dict too
         inputs = wanted  # a generator (model.parameters()): read once, by every pass
     extra = [accumulate] if isinstance(accumulate, torch.Tensor) else list(accumulate)
     for i, t in enumerate(extra):

@@ -597,6 +597,11 @@ def test_grads_each_takes_inputs_as_a_generator_of_parameters():
     rows = gp.grads_each(losses, trunk.parameters())
     for got, want in zip(rows, expected):
         assert_close(tuple(got), want)
+    with gp.track():
+        losses = build()
+    rows = gp.grads_each(losses, dict(trunk.named_parameters()))  # a dict, as torch takes it
+    for got, want in zip(rows, expected):
+        assert_close(tuple(got.values()), want)
 
 
 @pytest.mark.filterwarnings("ignore:Using backward\\(\\) with create_graph=True")
