@@ -232,9 +232,10 @@ def grad(
             materialize_grads=materialize_grads,
         )
 
-    result, _ = _pass_and_prune(
-        call, outputs, "outputs", keep, retain_graph, create_graph, pass_fn, made=lambda gradients: gradients
-    )
+    def made(gradients):  # a dict of inputs gives a dict of gradients
+        return gradients.values() if isinstance(gradients, dict) else gradients
+
+    result, _ = _pass_and_prune(call, outputs, "outputs", keep, retain_graph, create_graph, pass_fn, made)
     return result
 
 

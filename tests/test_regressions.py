@@ -645,3 +645,20 @@ def test_backward_each_cut_keeps_stacked_entries_that_an_earlier_loss_ran_throug
         tracked = losses()
     gp.backward_each(tracked)
     assert_close(w.grad, expected)
+
+
+def test_gp_grad_with_create_graph_takes_a_dict_of_inputs_as_torch_does():
+    # the gradients come back as a dict: the plan read its keys as the gradients to protect
+    def build():
+        w = torch.tensor([0.5, 1.0, 2.0], requires_grad=True)
+        with gp.track():
+            y1 = (w.exp() * w.exp()).sin().sum()
+        return w, y1
+
+    w, y1 = build()
+    g = torch.autograd.grad(y1, {"w": w}, create_graph=True)
+    expected = torch.autograd.grad(g["w"].pow(2).sum(), w)
+    w, y1 = build()
+    got = gp.grad(y1, {"w": w}, create_graph=True)
+    assert sorted(got) == ["w"]
+    assert_close(torch.autograd.grad(got["w"].pow(2).sum(), w), expected)
