@@ -9,7 +9,7 @@ import itertools
 import weakref
 
 import torch
-from torch.autograd.graph import Node
+from torch.autograd.graph import GradientEdge, Node
 
 from . import _outputs
 from ._checkpoint import inputs_of
@@ -56,28 +56,47 @@ _UNTRACKED_REASON = (
 )
 
 
-def as_outputs(value, call: str, arg: str) -> list[torch.Tensor]:
-    items = list(value) if isinstance(value, (list, tuple)) else [value]
-    if not items:
+def as_outputs(
+    value, call: str, arg: str, leaves: bool = False
+) -> tuple[list[torch.Tensor], list[GradientEdge]]:
+    """The tensors and the gradient edges in ``value`` (one, or a list or tuple of
+    them: what PyTorch's passes take) whose graphs a prune walks. ``leaves``: a leaf
+    tensor or a leaf's edge, which have no graph behind them (a pass from one only
+    writes its ``.grad``), is left out rather than refused."""
+    single = isinstance(value, GradientEdge) or not isinstance(value, (list, tuple))
+    items = [value] if single else list(value)
+    if not items and not leaves:
         raise ValueError(f"{call}: {arg} is empty; pass the tensor(s) whose branch is finished")
+    tensors, edges = [], []
     for i, t in enumerate(items):
-        name = arg if len(items) == 1 and not isinstance(value, (list, tuple)) else f"{arg}[{i}]"
+        name = arg if single else f"{arg}[{i}]"
+        if isinstance(t, GradientEdge):
+            if not isinstance(t.node, Node):
+                raise TypeError(f"{call}: {name} is a GradientEdge to {type(t.node).__name__}, not to a node")
+            if not (leaves and is_accumulator(t.node)):
+                edges.append(t)
+            continue
         if not isinstance(t, torch.Tensor):
-            raise TypeError(f"{call}: {name} must be a torch.Tensor, got {type(t).__name__}")
+            raise TypeError(
+                f"{call}: {name} must be a torch.Tensor or a GradientEdge, got {type(t).__name__}")
         if t.grad_fn is None:
+            if leaves and t.requires_grad:
+                continue
             why = (
                 "it is a leaf" if t.requires_grad else
                 "it does not require grad: made under torch.no_grad() or torch.inference_mode(), "
                 "or from tensors that do not require grad"
             )
             raise ValueError(f"{call}: {name} has no grad_fn ({why}); there is no graph behind it to prune")
-    return items
+        tensors.append(t)
+    return tensors, edges
 
 
 def _keep_roots(keep, call: str) -> list[tuple[Node, int | None, str]]:
     """``(node, output number or None for a node, description)`` of each root that
     ``keep`` protects."""
-    items = list(keep) if isinstance(keep, (list, tuple)) else [keep]
+    single = isinstance(keep, GradientEdge) or not isinstance(keep, (list, tuple))
+    items = [keep] if single else list(keep)
     roots = []
     if items and all(isinstance(k, torch.Tensor) and k.requires_grad and k.grad_fn is None for k in items):
         warn_at_caller(
@@ -86,17 +105,21 @@ def _keep_roots(keep, call: str) -> list[tuple[Node, int | None, str]]:
             "from, or the intermediate it is built on (the trunk's output x)."
         )
     for i, k in enumerate(items):
-        name = "keep" if not isinstance(keep, (list, tuple)) else f"keep[{i}]"
+        name = "keep" if single else f"keep[{i}]"
         if isinstance(k, torch.Tensor):
             if not k.requires_grad:
                 raise ValueError(f"{call}: {name} does not require grad; it has no graph to keep")
             if k.grad_fn is not None:
                 roots.append((k.grad_fn, k.output_nr, f"{name}: {_outputs.describe(k)}"))
+        elif isinstance(k, GradientEdge):  # a tuple: tested before a sequence is
+            if not isinstance(k.node, Node):
+                raise TypeError(f"{call}: {name} is a GradientEdge to {type(k.node).__name__}, not to a node")
+            roots.append((k.node, k.output_nr, f"{name}: the gradient edge into {k.node.name()}"))
         elif isinstance(k, Node):
             roots.append((k, None, f"{name}: node {k.name()}"))  # a routing node: every output
         else:
             raise TypeError(
-                f"{call}: {name} must be a tensor, a grad_fn node or a sequence of them, "
+                f"{call}: {name} must be a tensor, a GradientEdge, a grad_fn node or a sequence of them, "
                 f"got {type(k).__name__}"
             )
     return roots
@@ -126,7 +149,8 @@ class Plan:
 
     @walks
     def __init__(self, call: str, outputs, keep, arg: str = "y", extra=(), guards=(), edges=()):
-        ys = self.outputs = [] if outputs is None and edges else as_outputs(outputs, call, arg)
+        ys, more = ([], []) if outputs is None and edges else as_outputs(outputs, call, arg)
+        self.outputs, edges = ys, [*edges, *more]
         self._hooks: list = []
         tops = [(t.grad_fn, t.output_nr) for t in ys] + [(e.node, e.output_nr) for e in edges]
         self._edge_nodes = [e.node for e in edges]
@@ -146,8 +170,9 @@ class Plan:
         self._zero_keys: list = []
         self.finished, pending = _split_live(ys, self.reach, y_supports)
         self._candidates = _candidates(self.finished, pending)
-        what = [_outputs.describe(t) for t in ys] + [f"the gradient into {name(e.node)}" for e in edges]
-        self.reason = Release(f"{call}({', '.join(what)})", self._candidates)
+        what = self._what = ", ".join(
+            [_outputs.describe(t) for t in ys] + [f"the gradient into {name(e.node)}" for e in edges])
+        self.reason = Release(f"{call}({what})", self._candidates)
         self._losses = losses = [p for p in pending if _may_start_a_pass(*p)] if keep is None else []
         if keep is None:
             protect = [(fn, functools.partial(_pending_text, t, part)) for fn, _, part, t in losses]
@@ -257,7 +282,7 @@ class Plan:
         if not self.handles_by_node and TRACKED not in self._kinds and UNTRACKED in self._kinds:
             return (
                 f"{call}: nothing can be released: the graph of "
-                f"{', '.join(_outputs.describe(t) for t in self.outputs)} was built outside "
+                f"{self._what} was built outside "
                 "graphprune.track(), so PyTorch holds its saved tensors. Run the forward "
                 "inside `with graphprune.track():`.",
                 f"{call}: built outside track()",
@@ -291,7 +316,7 @@ class Plan:
         walks = [(p, reach([p[0]], through_released=False, supports=_supports([p[:3]])))
                  for p in self._losses]
         sums, losses = [], []
-        roots = [t.grad_fn for t in self.outputs] + [q[0] for q in self._losses]
+        roots = [t.grad_fn for t in self.outputs] + self._edge_nodes + [q[0] for q in self._losses]
         for i, (p, walked) in enumerate(walks):
             others = set().union(*(w for j, (_, w) in enumerate(walks) if j != i))
             own = [n for n in walked if n not in self.reach and n not in others]

@@ -18,8 +18,9 @@ from ._warn import warn_at_caller
 __all__ = ["prune_after", "explain", "backward", "grad", "last_report"]
 
 
-def _leaf_grads(outputs: list[torch.Tensor], inputs) -> list[torch.Tensor]:
-    """The ``.grad`` a ``backward`` pass wrote: of ``inputs``, or of every leaf."""
+def _leaf_grads(roots, inputs) -> list[torch.Tensor]:
+    """The ``.grad`` a ``backward`` pass from the nodes ``roots`` wrote: of ``inputs``,
+    or of every leaf."""
     if inputs is not None:
         if isinstance(inputs, (torch.Tensor, GradientEdge)):
             inputs = [inputs]
@@ -32,8 +33,7 @@ def _leaf_grads(outputs: list[torch.Tensor], inputs) -> list[torch.Tensor]:
             if isinstance(t, torch.Tensor):
                 leaves.append(t)
     else:
-        nodes = walk(t.grad_fn for t in outputs)
-        leaves = [node.variable for node in nodes if is_accumulator(node)]
+        leaves = [node.variable for node in walk(roots) if is_accumulator(node)]
     return [t.grad for t in leaves if t.grad is not None]
 
 
@@ -43,15 +43,21 @@ def _pass_and_prune(call: str, outputs, arg: str, keep, retain_graph, create_gra
     or after it with ``create_graph=True`` (the gradients'
     graphs, ``made(result)``, lead back into the branch and are protected). Return the
     pass's result and the report (also :func:`last_report`'s)."""
-    keep = _keep_for(call, keep, retain_graph, outputs)
-    if create_graph:
-        as_outputs(outputs, call, arg)
+    tensors, edges = as_outputs(outputs, call, arg, leaves=True)
+    roots = [*tensors, *edges]  # the leaves torch takes have no graph: their pass only writes .grad
+    keep = _keep_for(call, keep, retain_graph, roots)
+    if not roots:
+        result = pass_fn(retain_graph is not False)
+        empty = PruneReport(call=call, dry_run=False, released_nodes={}, released_tensors=0, bytes_freed=0,
+                            bytes_kept=0)
+        return result, _remember(empty, retain_graph)
+    if create_graph and retain_graph is not False:
         result = pass_fn(True)
-        plan = Plan(call, outputs, keep, arg=arg, extra=made(result))
+        plan = Plan(call, roots, keep, arg=arg, extra=made(result))
         plan.release()
-    else:
-        plain = retain_graph is False  # PyTorch's own pass: it frees what it runs, all of it
-        plan = Plan(call, outputs, keep, arg=arg)
+    else:  # retain_graph=False is PyTorch's own pass, create_graph or not: it frees what it runs, all of it
+        plain = retain_graph is False
+        plan = Plan(call, roots, keep, arg=arg)
         result = plan.run(lambda: pass_fn(not plain), ran_only=plain)
     if retain_graph is None:
         plan.warn(call)
@@ -66,13 +72,14 @@ def prune_after(y: torch.Tensor | Sequence[torch.Tensor], keep=None) -> PruneRep
     :func:`~graphprune.track` that ``y``'s graph does not contain and no pass has run
     through yet (the other heads' losses: NOTE [ What keep=None protects ] in
     ``_plan.py``); a tensor of more than one element protects nothing.
-    ``keep=`` (a tensor, a ``grad_fn`` node or a sequence of them) protects exactly
+    ``keep=`` (a tensor, a ``GradientEdge``, a ``grad_fn`` node or a sequence of them) protects exactly
     those: ``keep=x`` for a head built on ``x`` after this call. Call it after ``y``'s
     backward pass (``.backward(retain_graph=True)`` or ``torch.autograd.grad``); it
     works after the ``with`` block.
 
     Args:
-        y: the finished output, or a sequence of them.
+        y: the finished output (a tensor or a ``GradientEdge``, as PyTorch's passes
+            take), or a sequence of them.
         keep: what must stay differentiable; ``None`` for the losses not
             backpropagated yet.
 
@@ -80,8 +87,10 @@ def prune_after(y: torch.Tensor | Sequence[torch.Tensor], keep=None) -> PruneRep
         A :class:`PruneReport` of what was released and kept, and why.
 
     Raises:
-        TypeError: ``y`` or ``keep`` is not a tensor (or node, for ``keep``).
-        ValueError: ``y`` has no ``grad_fn``, or a ``keep`` tensor needs no grad.
+        TypeError: ``y`` or ``keep`` is not a tensor or a ``GradientEdge`` (or node,
+            for ``keep``).
+        ValueError: ``y`` has no ``grad_fn`` (a leaf has no graph to prune), or a
+            ``keep`` tensor needs no grad.
 
     Example::
 
@@ -144,21 +153,24 @@ def backward(
     grad_tensors=None,
     retain_graph: bool | None = None,
     create_graph: bool = False,
+    grad_variables=None,
     inputs=None,
     *,
     keep=None,
 ) -> PruneReport:
     """``torch.autograd.backward`` that retains the trunk and frees the branch as it goes.
 
-    Takes what ``torch.autograd.backward`` takes, and ``keep=`` (see
-    :func:`prune_after`). The pass runs with ``retain_graph=True``; each saved tensor
-    only the branch needs is let go as soon as its node has used it, as
-    ``retain_graph=False`` would, so the peak is that of a plain pass on the branch.
-    Branch nodes the pass does not run (``inputs=`` stops it) are released when it
-    ends. If the pass raises, what it had not used yet is kept. ``retain_graph=True``
-    keeps the whole graph (plain PyTorch's pass; the report says what it holds);
-    ``retain_graph=False`` is PyTorch's pass too: it frees what it runs (nodes built
-    outside ``track()`` included) and keeps what ``inputs=`` stops it from running.
+    Takes what ``torch.autograd.backward`` takes (tensors or gradient edges, in its
+    order), and ``keep=`` (see :func:`prune_after`); a leaf among ``tensors`` has no
+    graph to prune: the pass only writes its ``.grad``. The pass runs with
+    ``retain_graph=True``; each saved tensor only the branch needs is let go as soon
+    as its node has used it, as ``retain_graph=False`` would, so the peak is that of
+    a plain pass on the branch. Branch nodes the pass does not run (``inputs=`` stops
+    it) are released when it ends. If the pass raises, what it had not used yet is
+    kept. ``retain_graph=True`` keeps the whole graph (plain PyTorch's pass; the
+    report says what it holds); ``retain_graph=False`` is PyTorch's pass too, with
+    ``create_graph=True`` or without: it frees what it runs (nodes built outside
+    ``track()`` included) and keeps what ``inputs=`` stops it from running.
     :func:`last_report` returns the report too.
 
     Example::
@@ -179,12 +191,12 @@ def backward(
         inputs = list(inputs)  # a generator (model.parameters()): the pass and made() both read it
 
     def pass_fn(retain: bool):
-        torch.autograd.backward(
-            tensors, grad_tensors, retain_graph=retain, create_graph=create_graph, inputs=inputs
-        )
+        torch.autograd.backward(tensors, grad_tensors, retain_graph=retain, create_graph=create_graph,
+                                grad_variables=grad_variables, inputs=inputs)
 
     def made(_):
-        return _leaf_grads(as_outputs(tensors, call, "tensors"), inputs)
+        ys, edges = as_outputs(tensors, call, "tensors", leaves=True)
+        return _leaf_grads([t.grad_fn for t in ys] + [e.node for e in edges], inputs)
 
     return _pass_and_prune(call, tensors, "tensors", keep, retain_graph, create_graph, pass_fn, made)[1]
 
@@ -195,6 +207,7 @@ def grad(
     grad_outputs=None,
     retain_graph: bool | None = None,
     create_graph: bool = False,
+    only_inputs: bool = True,
     allow_unused: bool | None = None,
     is_grads_batched: bool = False,
     materialize_grads: bool = False,
@@ -227,6 +240,7 @@ def grad(
             grad_outputs,
             retain_graph=retain,
             create_graph=create_graph,
+            only_inputs=only_inputs,
             allow_unused=allow_unused,
             is_grads_batched=is_grads_batched,
             materialize_grads=materialize_grads,
@@ -256,10 +270,7 @@ def _keep_for(call: str, keep, retain_graph, outputs):
     if keep is not None:
         raise ValueError(f"{call}: pass keep= or retain_graph=, not both (keep= is retain_graph "
                          "per subgraph)")
-    if retain_graph:
-        items = list(outputs) if isinstance(outputs, (list, tuple)) else [outputs]
-        return [t for t in items if isinstance(t, torch.Tensor) and t.grad_fn is not None]
-    return []
+    return list(outputs) if retain_graph else []
 
 
 def _remember(report: PruneReport, retain_graph=None) -> PruneReport:

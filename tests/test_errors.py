@@ -19,11 +19,9 @@ def branch():
 @pytest.mark.parametrize(
     "bad, error, match",
     [
-        (3.0, TypeError, r"must be a torch.Tensor, got float"),
+        (3.0, TypeError, r"must be a torch.Tensor or a GradientEdge, got float"),
         ([torch.ones(2, requires_grad=True).exp(), "y"], TypeError, r"\[1\] must be a torch.Tensor"),
         (torch.ones(3), ValueError, r"has no grad_fn"),
-        (torch.ones(3, requires_grad=True), ValueError, r"leaf"),
-        ([], ValueError, r"is empty"),
     ],
 )
 def test_bad_output_argument_is_named(call, bad, error, match):
@@ -31,10 +29,21 @@ def test_bad_output_argument_is_named(call, bad, error, match):
         call(bad)
 
 
+@pytest.mark.parametrize("call", [gp.prune_after, gp.explain])
+@pytest.mark.parametrize(
+    "bad, error, match",
+    [(torch.ones(3, requires_grad=True), ValueError, r"leaf"), ([], ValueError, r"is empty")],
+)
+def test_prune_of_a_leaf_or_of_nothing_is_refused(call, bad, error, match):
+    # no pass ran: there is nothing to prune (gp.backward runs torch's pass on them)
+    with pytest.raises(error, match=match):
+        call(bad)
+
+
 @pytest.mark.parametrize(
     "keep, error, match",
     [
-        ("x", TypeError, r"keep must be a tensor, a grad_fn node or a sequence.*got str"),
+        ("x", TypeError, r"keep must be a tensor, a GradientEdge, a grad_fn node or a sequence.*got str"),
         ([1], TypeError, r"keep\[0\] must be"),
         (torch.ones(3), ValueError, r"keep does not require grad"),
     ],
@@ -154,7 +163,8 @@ def test_bytes_kept_leaves_out_parameters():
 
 def test_grad_names_its_bad_arguments(branch):
     w, x, y = branch
-    with pytest.raises(TypeError, match=r"graphprune.grad: outputs must be a torch.Tensor, got float"):
+    bad = r"graphprune.grad: outputs must be a torch.Tensor or a GradientEdge, got float"
+    with pytest.raises(TypeError, match=bad):
         gp.grad(3.0, w)
     with pytest.raises(ValueError, match=r"graphprune.grad: outputs\[0\] has no grad_fn"):
         gp.grad([torch.ones(2)], w)

@@ -19,12 +19,10 @@ def _graph():
 
 
 def test_parameters_match_torch_by_name_and_order():
-    ours = list(inspect.signature(gp.backward).parameters)
-    theirs = [p for p in inspect.signature(torch.autograd.backward).parameters if p != "grad_variables"]
-    assert ours[: len(theirs)] == theirs and ours[-1] == "keep"
-    ours = list(inspect.signature(gp.grad).parameters)
-    theirs = [p for p in inspect.signature(torch.autograd.grad).parameters if p != "only_inputs"]
-    assert ours[: len(theirs)] == theirs and ours[-1] == "keep"
+    # deprecated ones too (grad_variables, only_inputs): a positional call means what it means to torch
+    for ours, theirs in [(gp.backward, torch.autograd.backward), (gp.grad, torch.autograd.grad)]:
+        assert list(inspect.signature(ours).parameters) == [*inspect.signature(theirs).parameters, "keep"]
+        assert inspect.signature(ours).parameters["keep"].kind is inspect.Parameter.KEYWORD_ONLY
 
 
 def test_backward_with_grad_tensors_matches_torch():
@@ -115,3 +113,77 @@ def test_a_batched_pass_into_a_released_node_says_it_cannot_check_for_zeros():
     (rows,) = gp.grad(losses[1:], w, torch.eye(2), is_grads_batched=True)  # routing knows: zeros
     e = x.detach()
     torch.testing.assert_close(rows, torch.stack([e.cos() * e, -e.sin() * e]))
+
+
+def test_positional_arguments_mean_what_they_mean_to_torch():
+    # gp.grad had no only_inputs: a positional allow_unused landed in is_grads_batched
+    w, x, y = _graph()
+    unused = torch.ones(2, requires_grad=True)
+    got = gp.grad(y.sum(), [w, unused], None, None, False, True, True)
+    assert got[1] is None
+    assert_close(got[0], 3 * w.detach().exp().cos() * w.detach().exp())
+    w, x, y = _graph()
+    gp.backward(y.sum(), None, None, False, None, [w])  # grad_variables=None, inputs=[w]
+    assert_close(w.grad, 3 * w.detach().exp().cos() * w.detach().exp())
+
+
+@pytest.mark.parametrize("call", ["grad", "backward"])
+def test_gradient_edges_as_outputs_and_as_keep_work_as_tensors_do(call):
+    # a GradientEdge is a tuple: it was split into (node, number) and refused
+    from torch.autograd.graph import get_gradient_edge
+
+    def build():
+        torch.manual_seed(0)
+        w = torch.randn(4, requires_grad=True)
+        with gp.track():
+            x = w.exp()
+            y1 = (x * x).sin().sum()
+            y2 = x.sqrt().sum()
+        return w, x, y1, y2
+
+    w, x, y1, y2 = build()
+    (e1,) = torch.autograd.grad(y1, w, retain_graph=True)
+    (e2,) = torch.autograd.grad(y2, w)
+    w, x, y1, y2 = build()
+    one = torch.tensor(1.0)
+    if call == "grad":
+        (g1,) = gp.grad(get_gradient_edge(y1), w, one, keep=get_gradient_edge(x))
+    else:
+        gp.backward(get_gradient_edge(y1), one, keep=get_gradient_edge(x))
+        g1 = w.grad
+    assert_close(g1, e1)
+    assert gp.last_report().released_nodes == {"SinBackward0": 1, "MulBackward0": 1}
+    with pytest.raises(gp.ReleasedTensorError):
+        y1.backward()
+    assert_close(torch.autograd.grad(y2, w)[0], e2)  # the edge into x kept the trunk
+
+
+def test_backward_from_leaves_or_from_nothing_runs_torchs_pass():
+    # a leaf has no graph to prune: torch's pass writes its .grad; an empty list is a no-op
+    w = torch.tensor([2.0, 3.0], requires_grad=True)
+    report = gp.backward(w, torch.ones(2))
+    assert_close(w.grad, torch.ones(2))
+    assert report.released_tensors == 0 and report.bytes_freed == 0
+    (g,) = gp.grad(w, w, torch.ones(2))
+    assert_close(g, torch.ones(2))
+    assert gp.backward([]).released_nodes == {}
+    x, y = _graph()[1:]
+    gp.backward([y.sum(), w], [None, torch.ones(2)], keep=x)  # a loss and a leaf together
+    assert_close(w.grad, 2 * torch.ones(2))
+    assert gp.last_report().released_nodes == {"SinBackward0": 1}
+
+
+def test_retain_graph_false_with_create_graph_frees_the_graph_as_torch_does():
+    # create_graph=True kept what the gradients' graphs reach, ignoring retain_graph=False
+    w = torch.ones(3, requires_grad=True)
+    with gp.track():
+        x = w.exp()
+        y1 = (x * x).sin().sum()
+        y2 = x.sqrt().sum()
+    (g,) = gp.grad(y1, w, retain_graph=False, create_graph=True)
+    e = w.detach().exp()
+    assert_close(g.detach(), (e * e).cos() * 2 * e * e)
+    assert g.grad_fn is not None
+    assert gp.last_report().released_nodes == {"SinBackward0": 1, "MulBackward0": 1, "ExpBackward0": 1}
+    with pytest.raises(gp.ReleasedTensorError):
+        y2.backward()  # PyTorch's pass freed the trunk too
