@@ -149,8 +149,11 @@ def _split(node, supports):
         step = node._saved_split_size
         parts = [min(step, sizes[d] - start) for start in range(0, sizes[d], step)]
     offsets = [sum(parts[:k]) for k in range(len(parts))]
-    indices = frozenset(i for k in supports for i in range(offsets[k], offsets[k] + parts[k]))
-    return [(c, nr, (d, indices)) for c, nr in _edges(node)]
+    indices = set()
+    for k, support in supports.items():  # a part keeps the input's dims: an index along d shifts
+        within = range(parts[k]) if support is ALL or support[0] != d else support[1]
+        indices.update(offsets[k] + j for j in within if j < parts[k])
+    return [(c, nr, (d, frozenset(indices))) for c, nr in _edges(node)] if indices else []
 
 
 def _stack(node, supports):

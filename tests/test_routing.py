@@ -117,6 +117,27 @@ def test_unrouted_index_counts_as_a_pass_through_the_whole_tensor():
     losses[1].backward()
 
 
+@pytest.mark.parametrize("pick", [
+    lambda L: L.split([1, 2])[1][0],
+    lambda L: L.split(2)[0][1],
+    lambda L: L.chunk(2)[0][1:].sum(),
+    lambda L: L.split([1, 2])[1][:1].sum(),
+], ids=["split_sizes", "split", "chunk_slice", "split_sizes_slice"])
+def test_an_index_into_a_split_part_routes_to_that_entry_only(pick):
+    """Each ``pick`` is ``losses[1]``: heads 0 and 2 get a zero gradient, so the pass
+    releases head 1's branch only and the other losses still backpropagate."""
+    w, heads, inp = _model()
+    plain = _losses(w, heads, inp, "stack")
+    expected = [torch.autograd.grad(plain[i], w, retain_graph=True)[0] for i in (1, 0, 2)]
+    with gp.track():
+        losses = _losses(w, heads, inp, "stack")
+    (g1,) = gp.grad(pick(losses), w)
+    assert gp.last_report().released_nodes == {"MmBackward0": 1, "SinBackward0": 1, "PowBackward0": 1}
+    (g0,) = torch.autograd.grad(losses[0], w, retain_graph=True)
+    (g2,) = torch.autograd.grad(losses[2], w)
+    assert_close([g1, g0, g2], expected)
+
+
 def test_setitem_with_plain_keys_is_stamped():
     assert _routing._written(2, (5,)) == (0, frozenset({2}), 5)
     assert _routing._written(-1, (5,)) == (0, frozenset({4}), 5)
