@@ -51,6 +51,7 @@ from ._plan import Plan
 from ._prune import _remember
 from ._report import PruneReport
 from ._tape import track
+from ._warn import warn_at_caller
 
 __all__ = ["backward_each", "grads_each"]
 
@@ -93,6 +94,14 @@ def backward_each(losses, *, keep=None, strategy: str = "cut") -> list[PruneRepo
         >>> expected = 2 * (2 * x.detach()).cos() * 2 * x.detach()
         >>> torch.testing.assert_close(w.grad, expected)
     """
+    notes: list = []  # the first pass that could release nothing, its graph built outside track()
+    reports = _backward_each(losses, keep, strategy, notes)
+    if notes:
+        warn_at_caller(*notes[0])
+    return reports
+
+
+def _backward_each(losses, keep, strategy: str, notes: list) -> list[PruneReport]:
     call = "graphprune.backward_each"
     if strategy not in ("cut", "passes"):
         raise ValueError(f'{call}: strategy must be "cut" or "passes", got {strategy!r}')
@@ -116,7 +125,7 @@ def backward_each(losses, *, keep=None, strategy: str = "cut") -> list[PruneRepo
     if strategy == "passes":
         reports = [report for _, report in _whole_passes(
             call, heads, len(items), keep, lambda loss: torch.autograd.backward(loss, retain_graph=True),
-            callable(items[0]))]
+            callable(items[0]), notes)]
         text = f"passes: {len(items)} whole pass(es), the trunk freed by the last"
         if hooked:
             text += (" (a hook below the cut, or a tensor at it that retains its grad: the cut would "
@@ -133,10 +142,12 @@ def backward_each(losses, *, keep=None, strategy: str = "cut") -> list[PruneRepo
             head.lower = set()
             ran.append(head)  # for the trunk's release: what only it reaches goes with the rest
             _, report = _pass(call, [head.loss], keep, head.guards,
-                              lambda head=head: torch.autograd.backward(head.loss, retain_graph=True))
+                              lambda head=head: torch.autograd.backward(head.loss, retain_graph=True),
+                              notes=notes)
             reports.append(report)
             continue
-        got, report = _pass(call, [head.loss], keep, head.guards, functools.partial(_to_the_cut, head))
+        got, report = _pass(call, [head.loss], keep, head.guards, functools.partial(_to_the_cut, head),
+                            notes=notes)
         reports.append(report)
         _add_each(cut, head.cut, got)
         del got  # before the next callable builds its head: one gradient at the cut, the sum
@@ -153,7 +164,7 @@ def backward_each(losses, *, keep=None, strategy: str = "cut") -> list[PruneRepo
     below = [e for head in ran for e in head.cut if (e.node, e.output_nr) not in cut]  # released after it
     del cut
     _, report = _pass(call, None, keep, (), lambda: torch.autograd.backward(edges, grads, retain_graph=True),
-                      edges=edges + below)
+                      edges=edges + below, notes=notes)
     text = f"cut: {len(items)} head pass(es), then the trunk once from {len(edges)} edge(s)"
     if whole:
         text += f" ({whole} head(s) with a reentrant checkpoint ran whole passes)"
@@ -171,11 +182,12 @@ def grads_each(losses, inputs, *, keep=None, allow_unused: bool | None = None,
     ``losses`` as for :func:`backward_each`. With callables, each head is built after
     the previous pass freed its predecessor: the peak is the trunk and one head.
     ``allow_unused`` and ``materialize_grads`` as for ``torch.autograd.grad``;
-    :func:`~graphprune.last_report` gives the last pass's report. ``accumulate``:
-    leaf tensors (the heads' parameters) whose gradients each pass accumulates into
-    ``.grad`` as ``backward`` would, right after it, instead of returning them: the
-    rows then hold only ``inputs`` (the shared parameters), and no pass's gradients of
-    the heads are held over the next.
+    :func:`~graphprune.last_report` gives the last pass's report; a dict of
+    ``inputs`` gives dict rows, as ``torch.autograd.grad`` does. ``accumulate``: leaf
+    tensors (the heads' parameters, none of ``inputs``) whose gradients each pass
+    accumulates into ``.grad`` as ``backward`` would, right after it, instead of
+    returning them: the rows then hold only ``inputs`` (the shared parameters), and no
+    pass's gradients of the heads are held over the next.
 
     Example::
 
@@ -190,15 +202,21 @@ def grads_each(losses, inputs, *, keep=None, allow_unused: bool | None = None,
     call = "graphprune.grads_each"
     items = _items(losses, call)
 
-    wanted = [inputs] if isinstance(inputs, torch.Tensor) else list(inputs)
-    if not isinstance(inputs, (torch.Tensor, list, tuple, dict)):  # torch takes a dict too
+    keys = list(inputs) if isinstance(inputs, dict) else None  # torch takes a dict too: rows are dicts
+    wanted = ([inputs] if isinstance(inputs, torch.Tensor) else
+              list(inputs.values()) if keys is not None else list(inputs))
+    if not isinstance(inputs, (torch.Tensor, list, tuple, dict)):
         inputs = wanted  # a generator (model.parameters()): read once, by every pass
     extra = [accumulate] if isinstance(accumulate, torch.Tensor) else list(accumulate)
+    returned = {id(t) for t in wanted}
     for i, t in enumerate(extra):
         if not (isinstance(t, torch.Tensor) and t.is_leaf and t.requires_grad):
             raise TypeError(f"{call}: accumulate[{i}] must be a leaf tensor that requires grad "
                             "(a parameter), got " + (f"a non-leaf {type(t).__name__}" if isinstance(
                                 t, torch.Tensor) else type(t).__name__))
+        if id(t) in returned:
+            raise ValueError(f"{call}: accumulate[{i}] is in inputs too: its gradient is either returned "
+                             "in the rows or accumulated into .grad; pass it in one of them")
 
     def run(loss):
         if not extra:
@@ -213,9 +231,13 @@ def grads_each(losses, inputs, *, keep=None, allow_unused: bool | None = None,
                                "graph. Set allow_unused=True if this is the desired behavior.")
         if materialize_grads:
             row = tuple(torch.zeros_like(t) if g is None else g for t, g in zip(wanted, row))
-        return row
+        return row if keys is None else dict(zip(keys, row))
 
-    passes = _whole_passes(call, _heads(items, call, cut=False), len(items), keep, run, callable(items[0]))
+    notes: list = []
+    passes = _whole_passes(call, _heads(items, call, cut=False), len(items), keep, run, callable(items[0]),
+                           notes)
+    if notes:
+        warn_at_caller(*notes[0])
     return [row for row, _ in passes[:len(items)]]
 
 
@@ -376,14 +398,20 @@ def _accumulate_now(leaf: torch.Tensor, grad: torch.Tensor):
     return torch.zeros((), dtype=grad.dtype, device=grad.device).expand(grad.shape)
 
 
-def _pass(call: str, outputs, keep, guards, run, edges=()):
-    """``run()`` under a plan that frees what it passes through, and the report."""
+def _pass(call: str, outputs, keep, guards, run, edges=(), notes=None):
+    """``run()`` under a plan that frees what it passes through, and the report;
+    ``notes`` gets the plan's warning where it could release nothing of a graph built
+    outside ``track()`` (the caller shows the first, once per call)."""
     plan = Plan(call, outputs, keep, arg="losses", guards=guards, edges=edges)
     result = plan.run(run)
+    if notes is not None and not notes:
+        untracked = plan.untracked_warning(call)
+        if untracked is not None:
+            notes.append(untracked)
     return result, _remember(plan.report(call, dry_run=False))
 
 
-def _whole_passes(call: str, heads, count: int, keep, run, lazy: bool) -> list:
+def _whole_passes(call: str, heads, count: int, keep, run, lazy: bool, notes: list) -> list:
     """Each head's whole pass, ``(result, report)``; the trunk is protected until the
     last. Heads built by callables protected all that existed before them; the parts
     of it the last pass does not reach (a deeper tap's) are released after it, with
@@ -392,7 +420,7 @@ def _whole_passes(call: str, heads, count: int, keep, run, lazy: bool) -> list:
     for i, head in enumerate(heads):
         guards = head.guards if i < count - 1 else ()
         losses.append(head.loss)
-        out.append(_pass(call, [head.loss], keep, guards, lambda head=head: run(head.loss)))
+        out.append(_pass(call, [head.loss], keep, guards, lambda head=head: run(head.loss), notes=notes))
     if lazy:
         plan = Plan(call, losses, keep, arg="losses")
         report = plan.report(call, dry_run=False)

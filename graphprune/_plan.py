@@ -273,20 +273,27 @@ class Plan:
         if warning is not None:
             warn_at_caller(*warning)
 
+    def untracked_warning(self, call: str) -> tuple[str, str] | None:
+        """``(message, kind)`` where this call releases nothing because its graph was
+        built outside ``track()``, or ``None``."""
+        if self.handles_by_node or TRACKED in self._kinds or UNTRACKED not in self._kinds:
+            return None
+        return (
+            f"{call}: nothing can be released: the graph of {self._what} was built outside "
+            "graphprune.track(), so PyTorch holds its saved tensors. Run the forward "
+            "inside `with graphprune.track():`.",
+            f"{call}: built outside track()",
+        )
+
     @walks
     def warning(self, call: str) -> tuple[str, str] | None:
         """``(message, kind)`` of the warning this call deserves, or ``None``: it cannot
         free what it is for, as the graph was built outside ``track()``, or it frees
         under 10% of it for a scalar the user holds that is computed from the losses and
         looks like no later loss (NOTE [ What keep=None protects ])."""
-        if not self.handles_by_node and TRACKED not in self._kinds and UNTRACKED in self._kinds:
-            return (
-                f"{call}: nothing can be released: the graph of "
-                f"{self._what} was built outside "
-                "graphprune.track(), so PyTorch holds its saved tensors. Run the forward "
-                "inside `with graphprune.track():`.",
-                f"{call}: built outside track()",
-            )
+        untracked = self.untracked_warning(call)
+        if untracked is not None:
+            return untracked
         freed = self.report_args["bytes_freed"]
         if not self._losses:
             return None

@@ -355,6 +355,32 @@ def test_grads_each_accumulate_takes_leaves_only():
         gp.grads_each(losses, w, accumulate=[w * 2])
 
 
+def test_grads_each_refuses_a_tensor_both_returned_and_accumulated():
+    # it came back as a zero row, or as "appears to not have been used in the graph"
+    w, h = torch.ones(3, requires_grad=True), torch.full((3,), 2.0, requires_grad=True)
+    with gp.track():
+        x = w.exp()
+        losses = [(x * h).sin().sum(), x.cos().sum()]
+    with pytest.raises(ValueError, match=r"accumulate\[0\] is in inputs too"):
+        gp.grads_each(losses, [w, h], accumulate=[h])
+    assert h.grad is None
+
+
+def test_grads_each_takes_a_dict_of_inputs_with_accumulate():
+    # the dict's keys were passed to torch as inputs
+    w, h = torch.ones(3, requires_grad=True), torch.full((3,), 2.0, requires_grad=True)
+    x = w.exp()
+    plain = [(x * h).sin().sum(), x.cos().sum()]
+    want = [torch.autograd.grad(loss, [w, h], retain_graph=True, allow_unused=True) for loss in plain]
+    with gp.track():
+        x = w.exp()
+        losses = [(x * h).sin().sum(), x.cos().sum()]
+    rows = gp.grads_each(losses, {"trunk": w}, accumulate=[h], allow_unused=True)
+    assert [list(row) for row in rows] == [["trunk"], ["trunk"]]
+    torch.testing.assert_close([row["trunk"] for row in rows], [g for g, _ in want])
+    torch.testing.assert_close(h.grad, want[0][1])
+
+
 def _hooked_heads(how, hook, retain):
     torch.manual_seed(0)
     w = torch.randn(4, 4, requires_grad=True)

@@ -99,6 +99,44 @@ def test_graph_built_outside_track_warns_nothing_can_be_released():
     assert issubclass(gp.GraphPruneWarning, UserWarning)
 
 
+def _untracked_heads(lazy: bool):
+    w = torch.ones(3, requires_grad=True)
+    x = w.exp()  # the trunk, outside track()
+    if lazy:
+        return w, [lambda: x.sin().sum(), lambda: x.cos().sum()]
+    return w, [(x * x).sin().sum(), x.cos().sum()]
+
+
+@pytest.mark.parametrize("strategy", ["cut", "passes", "grads"])
+def test_per_loss_helpers_on_an_untracked_graph_warn_once_per_call(strategy):
+    w, losses = _untracked_heads(lazy=False)
+    if strategy == "grads":
+        caught = _record(lambda: gp.grads_each(losses, w))
+        call = "graphprune.grads_each"
+    else:
+        caught = _record(lambda: gp.backward_each(losses, strategy=strategy))
+        call = "graphprune.backward_each"
+    assert len(caught) == 1  # one per call, not one per pass
+    assert str(caught[0].message).startswith(f"{call}: nothing can be released")
+    assert caught[0].filename == __file__
+
+
+def test_lazy_heads_on_an_untracked_trunk_warn_that_the_trunk_stays():
+    w, builders = _untracked_heads(lazy=True)
+    caught = _record(lambda: gp.backward_each(builders))  # the heads are built under track()
+    assert len(caught) == 1
+    assert "nothing can be released: the graph of the gradient into ExpBackward0" in str(caught[0].message)
+    torch.testing.assert_close(w.grad, (w.exp().cos() - w.exp().sin()) * w.exp())
+
+
+def test_per_loss_helpers_on_a_tracked_graph_warn_nothing():
+    w = torch.ones(3, requires_grad=True)
+    with gp.track():
+        x = w.exp()
+        losses = [(x * x).sin().sum(), x.cos().sum()]
+    assert _record(lambda: gp.backward_each(losses)) == []
+
+
 def test_keep_made_only_of_leaves_warns_it_protects_nothing():
     w = torch.ones(3, requires_grad=True)
     with gp.track():
