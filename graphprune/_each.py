@@ -47,7 +47,7 @@ from torch.autograd.graph import GradientEdge
 from . import _outputs, _routing
 from ._graph import FOREIGN, _is_router, is_accumulator, reach, saved
 from ._marks import is_hooked
-from ._plan import Plan
+from ._plan import Plan, no_graph_reason
 from ._prune import _remember
 from ._report import PruneReport
 from ._tape import track
@@ -472,7 +472,8 @@ def _check_loss(t, what: str, call: str) -> None:
     if t.numel() != 1:
         raise ValueError(f"{call}: {what} must be a scalar loss, got shape {tuple(t.shape)}")
     if t.grad_fn is None:
-        raise ValueError(f"{call}: {what} has no grad_fn; there is no graph behind it to backpropagate")
+        raise ValueError(f"{call}: {what} has no grad_fn ({no_graph_reason(t)}); there is no graph behind "
+                         "it to backpropagate")
 
 
 def _heads(items: list, call: str, cut: bool):

@@ -56,6 +56,14 @@ _UNTRACKED_REASON = (
 )
 
 
+def no_graph_reason(t: torch.Tensor) -> str:
+    """Why a tensor has no ``grad_fn``, for an error that names it."""
+    if t.requires_grad:
+        return "it is a leaf"
+    return ("it does not require grad: made under torch.no_grad() or torch.inference_mode(), "
+            "or from tensors that do not require grad")
+
+
 def as_outputs(
     value, call: str, arg: str, leaves: bool = False
 ) -> tuple[list[torch.Tensor], list[GradientEdge]]:
@@ -82,12 +90,8 @@ def as_outputs(
         if t.grad_fn is None:
             if leaves and t.requires_grad:
                 continue
-            why = (
-                "it is a leaf" if t.requires_grad else
-                "it does not require grad: made under torch.no_grad() or torch.inference_mode(), "
-                "or from tensors that do not require grad"
-            )
-            raise ValueError(f"{call}: {name} has no grad_fn ({why}); there is no graph behind it to prune")
+            raise ValueError(f"{call}: {name} has no grad_fn ({no_graph_reason(t)}); there is no graph "
+                             "behind it to prune")
         tensors.append(t)
     return tensors, edges
 

@@ -186,8 +186,10 @@ def _check_losses(losses) -> list[torch.Tensor]:
             raise TypeError(f"{_CALL}: losses[{i}] must be a torch.Tensor, got {type(loss).__name__}")
         if loss.grad_fn is None:
             raise ValueError(
-                f"{_CALL}: losses[{i}] has no grad_fn (a leaf, or made under torch.no_grad()); "
-                "there is no backward pass to run from it"
+                f"{_CALL}: losses[{i}] has no grad_fn ("
+                + ("it is a leaf" if loss.requires_grad else "it does not require grad: made under "
+                   "torch.no_grad() or torch.inference_mode(), or from tensors that do not require grad")
+                + "); there is no backward pass to run from it"
             )
     return list(losses)
 

@@ -81,7 +81,7 @@ def _loss():
     ([], ValueError, r"losses is empty"),
     (torch.ones(2, requires_grad=True).sum(), TypeError, r"losses must be a list or tuple .* got a tensor"),
     ((x for x in ()), TypeError, r"losses must be a list or tuple .* got generator"),
-    ([torch.ones(2, requires_grad=True)], ValueError, r"losses\[0\] has no grad_fn \(a leaf"),
+    ([torch.ones(2, requires_grad=True)], ValueError, r"losses\[0\] has no grad_fn \(it is a leaf\)"),
     (["loss"], TypeError, r"losses\[0\] must be a torch.Tensor, got str"),
 ])
 def test_bad_losses_are_named(losses, error, match):
