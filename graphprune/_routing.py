@@ -274,16 +274,19 @@ def _written(key, shape: tuple):
 
 
 def index_text(name: str, support, size: int = 0) -> str:
-    """``losses[2:]``, ``losses[1]``, ``losses[:, [0, 3]]``: the part of ``name`` (of
-    ``size`` along the support's dim) that a support covers."""
+    """``losses[2:]``, ``losses[1]``, ``[losses[0], losses[2:]]``: the part of ``name``
+    (of ``size`` along the support's dim) that a support covers, as ints and slices,
+    which routing follows (a list index is a tensor index, which it does not)."""
     if support is ALL:
         return name
     d, indices = support
-    ks = sorted(indices)
-    if len(ks) == 1:
-        part = str(ks[0])
-    elif ks == list(range(ks[0], ks[-1] + 1)):
-        part = f"{ks[0] or ''}:{'' if ks[-1] + 1 == size else ks[-1] + 1}"
-    else:
-        part = str(ks)
-    return f"{name}[{':, ' * d}{part}]"
+    runs: list[list[int]] = []
+    for k in sorted(indices):
+        if runs and runs[-1][-1] + 1 == k:
+            runs[-1].append(k)
+        else:
+            runs.append([k])
+    parts = [str(run[0]) if len(run) == 1 else f"{run[0] or ''}:{'' if run[-1] + 1 == size else run[-1] + 1}"
+             for run in runs]
+    texts = [f"{name}[{':, ' * d}{part}]" for part in parts]
+    return texts[0] if len(texts) == 1 else f"[{', '.join(texts)}]"

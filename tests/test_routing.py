@@ -185,7 +185,24 @@ def test_index_text_reads_like_python():
     assert _routing.index_text("losses", (0, frozenset({2, 3})), 4) == "losses[2:]"
     assert _routing.index_text("losses", (0, frozenset({1})), 4) == "losses[1]"
     assert _routing.index_text("losses", (0, frozenset({0, 1})), 4) == "losses[:2]"
-    assert _routing.index_text("losses", (1, frozenset({0, 3})), 4) == "losses[:, [0, 3]]"
+    assert _routing.index_text("losses", (1, frozenset({0, 3})), 4) == "[losses[:, 0], losses[:, 3]]"
+    assert _routing.index_text("losses", (0, frozenset({0, 2, 3})), 4) == "[losses[0], losses[2:]]"
+
+
+def test_the_keep_a_released_error_suggests_for_scattered_entries_works():
+    # it suggested keep=L[[0, 2, 3]], a tensor index, which protects every entry: head 1 was kept
+    w, heads, inp = _model(4)
+    with gp.track():
+        losses = _losses(w, heads, inp, "stack")
+    gp.backward(losses.split([1, 3])[1][0], keep=[])  # losses[1]
+    with pytest.raises(gp.ReleasedTensorError, match=r"Pass keep=\[losses\[0\], losses\[2:\]\] to"):
+        losses[3].backward()
+    with gp.track():
+        losses = _losses(w, heads, inp, "stack")
+    report = gp.backward(losses[1], keep=[losses[0], losses[2:]])
+    assert report.released_nodes == {"MmBackward0": 1, "SinBackward0": 1, "PowBackward0": 1}
+    for i in (0, 2, 3):
+        losses[i].backward(retain_graph=True)
 
 
 @settings(max_examples=25, deadline=None)
