@@ -57,6 +57,11 @@ __all__ = ["backward_each", "grads_each"]
 
 _TRUNK_REASON = "the trunk the losses of {call} share"
 _LATER_REASON = "a later loss of {call}"
+_LAZY_NOTE = (
+    "an earlier head's callable built it, and that head's pass released it with the head. Build what "
+    "several heads use before calling {call} (with the trunk, under track()), or build the heads "
+    "first and pass their losses."
+)
 
 
 def backward_each(losses, *, keep=None, strategy: str = "cut") -> list[PruneReport]:
@@ -106,10 +111,11 @@ def _backward_each(losses, keep, strategy: str, notes: list) -> list[PruneReport
     if strategy not in ("cut", "passes"):
         raise ValueError(f'{call}: strategy must be "cut" or "passes", got {strategy!r}')
     items = _items(losses, call)
+    lazy = callable(items[0])
     heads = _heads(items, call, cut=strategy == "cut")
     hooked = False
     if strategy == "cut":  # NOTE [ Hooks at the cut ]
-        if callable(items[0]):  # the first head stands for the others: built before any pass
+        if lazy:  # the first head stands for the others: built before any pass
             first = next(heads)
             hooked = _hooked([first])
             first.lower = set()  # read: not held through the passes
@@ -120,12 +126,12 @@ def _backward_each(losses, keep, strategy: str, notes: list) -> list[PruneReport
                 head.lower = set()  # read: not held through the passes
     if hooked:
         strategy = "passes"
-        if not callable(items[0]):
+        if not lazy:
             heads = _heads(items, call, cut=False)
     if strategy == "passes":
         reports = [report for _, report in _whole_passes(
             call, heads, len(items), keep, lambda loss: torch.autograd.backward(loss, retain_graph=True),
-            callable(items[0]), notes)]
+            lazy, notes)]
         text = f"passes: {len(items)} whole pass(es), the trunk freed by the last"
         if hooked:
             text += (" (a hook below the cut, or a tensor at it that retains its grad: the cut would "
@@ -143,11 +149,11 @@ def _backward_each(losses, keep, strategy: str, notes: list) -> list[PruneReport
             ran.append(head)  # for the trunk's release: what only it reaches goes with the rest
             _, report = _pass(call, [head.loss], keep, head.guards,
                               lambda head=head: torch.autograd.backward(head.loss, retain_graph=True),
-                              notes=notes)
+                              notes=notes, lazy=lazy)
             reports.append(report)
             continue
         got, report = _pass(call, [head.loss], keep, head.guards, functools.partial(_to_the_cut, head),
-                            notes=notes)
+                            notes=notes, lazy=lazy)
         reports.append(report)
         _add_each(cut, head.cut, got)
         del got  # before the next callable builds its head: one gradient at the cut, the sum
@@ -398,11 +404,16 @@ def _accumulate_now(leaf: torch.Tensor, grad: torch.Tensor):
     return torch.zeros((), dtype=grad.dtype, device=grad.device).expand(grad.shape)
 
 
-def _pass(call: str, outputs, keep, guards, run, edges=(), notes=None):
+def _pass(call: str, outputs, keep, guards, run, edges=(), notes=None, lazy: bool = False):
     """``run()`` under a plan that frees what it passes through, and the report;
     ``notes`` gets the plan's warning where it could release nothing of a graph built
-    outside ``track()`` (the caller shows the first, once per call)."""
+    outside ``track()`` (the caller shows the first, once per call). ``lazy``: the
+    head a callable built, whose release a later head's pass may meet (a feature one
+    callable memoised for the next), which ``keep=`` cannot name: the error says what
+    to do instead."""
     plan = Plan(call, outputs, keep, arg="losses", guards=guards, edges=edges)
+    if lazy:
+        plan.reason.note = _LAZY_NOTE.format(call=call)
     result = plan.run(run)
     if notes is not None and not notes:
         untracked = plan.untracked_warning(call)
@@ -420,7 +431,8 @@ def _whole_passes(call: str, heads, count: int, keep, run, lazy: bool, notes: li
     for i, head in enumerate(heads):
         guards = head.guards if i < count - 1 else ()
         losses.append(head.loss)
-        out.append(_pass(call, [head.loss], keep, guards, lambda head=head: run(head.loss), notes=notes))
+        out.append(_pass(call, [head.loss], keep, guards, lambda head=head: run(head.loss), notes=notes,
+                         lazy=lazy))
     if lazy:
         plan = Plan(call, losses, keep, arg="losses")
         report = plan.report(call, dry_run=False)

@@ -434,7 +434,8 @@ class Plan:
     def abandon(self) -> None:
         """The pass raised: keep what it had not used, and say where the rest went."""
         self._disarm()
-        reason = Release(f"{self.reason}, whose pass raised before it finished", self._candidates)
+        reason = Release(f"{self.reason}, whose pass raised before it finished", self._candidates,
+                         self.reason.note)
         ran = [node for node, live in self.handles_by_node.items() if any(h.released for h in live)]
         for node in ran:
             for h in self.handles_by_node[node]:
@@ -661,11 +662,12 @@ class Release:
     """Why handles were released: the call, as text, and the live tensors a later
     pass may have started from, to name in the error that pass meets."""
 
-    __slots__ = ("text", "_candidates", "__weakref__")  # weakly: NOTE [ No node released ]
+    __slots__ = ("text", "_candidates", "note", "__weakref__")  # weakly: NOTE [ No node released ]
 
-    def __init__(self, text: str, candidates: list) -> None:
+    def __init__(self, text: str, candidates: list, note: str | None = None) -> None:
         self.text = text
         self._candidates = [(weakref.ref(t), part, done) for t, part, done in candidates]
+        self.note = note  # what to do, where keep= cannot help (a lazy head's callable built it)
 
     def __str__(self) -> str:
         return self.text
@@ -689,6 +691,8 @@ class Release:
         _, t, part, done = best
         name = _outputs.name_in_frames(t) or "x"
         what = index_text(name, part, _size_along(t, part))
+        if self.note is not None:
+            return f"The graph of {what} ({_outputs.describe(t)}) reaches this node: {self.note}"
         why = " (the pass it followed had run through it)" if done else ""
         return (
             f"The graph of {what} ({_outputs.describe(t)}) reaches this node, and that call "

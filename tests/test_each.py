@@ -381,6 +381,36 @@ def test_grads_each_takes_a_dict_of_inputs_with_accumulate():
     torch.testing.assert_close(h.grad, want[0][1])
 
 
+@pytest.mark.parametrize("how", ["cut", "passes", "grads"])
+def test_a_feature_one_head_callable_memoises_for_the_next_is_named_with_what_to_do(how):
+    # the error said "Pass keep=cache['f']", which cannot be passed: f did not exist yet
+    w, h = torch.ones(3, requires_grad=True), torch.full((3,), 2.0, requires_grad=True)
+    with gp.track():
+        x = w.exp()
+    cache = {}
+
+    def feature():
+        if "f" not in cache:
+            cache["f"] = (x * h).sin()
+        return cache["f"]
+
+    builders = [lambda: feature().sum(), lambda: feature().cos().sum()]
+    message = r"The graph of cache\['f'\] .* an earlier head's callable built it.* Build what several"
+    with pytest.raises(gp.ReleasedTensorError, match=message):
+        if how == "grads":
+            gp.grads_each(builders, [w, h])
+        else:
+            gp.backward_each(builders, strategy=how)
+    cache.clear()
+    w.grad = h.grad = None
+    with gp.track():
+        f = (x * h).sin()  # built before the call, with the trunk: it works
+    gp.backward_each([lambda: f.sum(), lambda: f.cos().sum()])
+    f = (w.exp() * h).sin()
+    expected = torch.autograd.grad(f.sum() + f.cos().sum(), [w, h])
+    torch.testing.assert_close((w.grad, h.grad), expected)
+
+
 def _hooked_heads(how, hook, retain):
     torch.manual_seed(0)
     w = torch.randn(4, 4, requires_grad=True)
