@@ -139,10 +139,12 @@ def _backward_each(losses, keep, strategy: str, notes: list) -> list[PruneReport
         reports[-1] = _remember(dataclasses.replace(reports[-1], strategy=text))
         return reports
     reports, cut, whole, ran = [], collections.OrderedDict(), 0, []  # ran: the heads of whole passes
-    for head in heads:
+    for i, head in enumerate(heads):
         if head.cut and head.cut[0].node is head.loss.grad_fn:  # all of it is trunk: nothing to run yet
             _add(cut, head.cut[0], torch.ones_like(head.loss))
             continue
+        if lazy and i and head.stop != "whole" and _hooked([head]):  # NOTE [ Hooks at the cut ]
+            head.stop = "whole"
         if head.stop == "whole":  # NOTE [ Where a head's pass stops ]: its whole pass, the trunk kept
             whole += 1
             head.lower = set()
@@ -164,7 +166,8 @@ def _backward_each(losses, keep, strategy: str, notes: list) -> list[PruneReport
             plan = Plan(call, [head.loss for head in ran], keep, arg="losses")
             report = plan.report(call, dry_run=False)
             plan.release()
-            text = f"cut: the {whole} head(s), each with a reentrant checkpoint, ran whole passes"
+            text = (f"cut: the {whole} head(s) ran whole passes (a reentrant checkpoint above the cut, or a "
+                    "hook below it, or a tensor at it that retains its grad)")
             reports.append(_remember(dataclasses.replace(report, strategy=text)))
         return reports
     below = [e for head in ran for e in head.cut if (e.node, e.output_nr) not in cut]  # released after it
@@ -173,7 +176,8 @@ def _backward_each(losses, keep, strategy: str, notes: list) -> list[PruneReport
                       edges=edges + below, notes=notes)
     text = f"cut: {len(items)} head pass(es), then the trunk once from {len(edges)} edge(s)"
     if whole:
-        text += f" ({whole} head(s) with a reentrant checkpoint ran whole passes)"
+        text += (f" ({whole} head(s) ran whole passes: a reentrant checkpoint above the cut, or a hook "
+                 "below it, or a tensor at it that retains its grad)")
     reports.append(_remember(dataclasses.replace(report, strategy=text)))
     return reports
 
@@ -280,10 +284,12 @@ def _hooked(heads) -> bool:
 
     Every trunk node's backward runs once, in the trunk's pass, on the sum: exact for
     a backward linear in its incoming gradient (PyTorch's, a custom ``Function``'s
-    that computes a derivative). For heads given as callables the lower part is the
-    first head's (built before any pass runs); what only later heads reach is not
-    looked at. Not seen: a hook registered outside ``track()`` on a non-leaf tensor
-    that has died since, hooks on trunk nodes themselves (``Node.register_prehook``,
+    that computes a derivative). For heads given as callables the first head's lower
+    part decides for all (it is built before any pass runs); a later head whose lower
+    part or cut holds such a hook runs its whole pass, the trunk kept (NOTE [ Where a
+    head's pass stops ]), which runs the hook once for that loss. Not seen: a hook
+    registered outside ``track()`` on a non-leaf tensor that has died since, hooks
+    on trunk nodes themselves (``Node.register_prehook``,
     ``Node.register_hook``, the old ``Module.register_backward_hook``), which run once
     on the sum (and, on a node at the cut, in each head's pass too, with no gradient
     for its outputs: NOTE [ Where a head's pass stops ]), and a custom ``Function``

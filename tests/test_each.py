@@ -411,6 +411,34 @@ def test_a_feature_one_head_callable_memoises_for_the_next_is_named_with_what_to
     torch.testing.assert_close((w.grad, h.grad), expected)
 
 
+@pytest.mark.parametrize("hook", ["retain_grad", "clip"])
+def test_a_lazy_head_with_a_hook_at_its_cut_runs_its_whole_pass(hook):
+    """x1 sits at the second head's cut, below the first's: only the first head's lower
+    part was looked at, so the cut stayed, and x1.grad got the second loss's gradient
+    twice (its pass to the cut, then the trunk's) where the plain loop gives it once."""
+    def run(use_gp):
+        torch.manual_seed(0)
+        w1, w2 = torch.randn(6, 6, requires_grad=True), torch.randn(6, 6, requires_grad=True)
+        h = [torch.randn(6, requires_grad=True) for _ in range(2)]
+        with gp.track():
+            x1 = torch.tanh(torch.randn(3, 6) @ w1)
+            x2 = torch.tanh(x1 @ w2)
+        if hook == "retain_grad":
+            x1.retain_grad()
+        else:
+            x1.register_hook(lambda g: g.clamp(-0.05, 0.05))
+        heads = [lambda: (x2 * h[0]).sin().sum(), lambda: (x1 * h[1]).pow(2).sum()]
+        if use_gp:
+            gp.backward_each(heads)
+            assert "whole pass" in gp.last_report().strategy  # clip: x1 is in the trunk the first head sees
+        else:
+            for f in heads:
+                f().backward(retain_graph=True)
+        return [w1.grad, w2.grad, *[t.grad for t in h]] + ([x1.grad] if hook == "retain_grad" else [])
+
+    torch.testing.assert_close(run(True), run(False))
+
+
 def _hooked_heads(how, hook, retain):
     torch.manual_seed(0)
     w = torch.randn(4, 4, requires_grad=True)
