@@ -213,7 +213,7 @@ def grads_each(losses, inputs, *, keep=None, allow_unused: bool | None = None,
     items = _items(losses, call)
 
     keys = list(inputs) if isinstance(inputs, dict) else None  # torch takes a dict too: rows are dicts
-    wanted = ([inputs] if isinstance(inputs, torch.Tensor) else
+    wanted = ([inputs] if isinstance(inputs, (torch.Tensor, GradientEdge)) else
               list(inputs.values()) if keys is not None else list(inputs))
     if not isinstance(inputs, (torch.Tensor, list, tuple, dict)):
         inputs = wanted  # a generator (model.parameters()): read once, by every pass
@@ -240,6 +240,8 @@ def grads_each(losses, inputs, *, keep=None, allow_unused: bool | None = None,
             raise RuntimeError("One of the differentiated Tensors appears to not have been used in the "
                                "graph. Set allow_unused=True if this is the desired behavior.")
         if materialize_grads:
+            if any(g is None and isinstance(t, GradientEdge) for t, g in zip(wanted, row)):
+                raise RuntimeError("materialize_grads cannot be used when the given input is a GradientEdge")
             row = tuple(torch.zeros_like(t) if g is None else g for t, g in zip(wanted, row))
         return row if keys is None else dict(zip(keys, row))
 

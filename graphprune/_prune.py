@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import threading
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 
 import torch
 from torch.autograd.graph import GradientEdge
@@ -187,6 +187,8 @@ def backward(
         tensor([17.4964, 17.4964, 17.4964, 17.4964])
     """
     call = "graphprune.backward"
+    if isinstance(tensors, Iterator):
+        tensors = list(tensors)  # a generator, as torch takes: read by the plan, then by the pass
     if inputs is not None and not isinstance(inputs, (torch.Tensor, Sequence, dict)):
         inputs = list(inputs)  # a generator (model.parameters()): the pass and made() both read it
 
@@ -232,6 +234,8 @@ def grad(
         {'MulBackward0': 1}
     """
     call = "graphprune.grad"
+    if isinstance(outputs, Iterator):
+        outputs = list(outputs)
 
     def pass_fn(retain: bool):
         return torch.autograd.grad(

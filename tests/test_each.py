@@ -381,6 +381,28 @@ def test_grads_each_takes_a_dict_of_inputs_with_accumulate():
     torch.testing.assert_close(h.grad, want[0][1])
 
 
+@pytest.mark.parametrize("accumulate", [False, True])
+def test_grads_each_takes_one_gradient_edge_as_inputs(accumulate):
+    # with accumulate=, the edge (a named tuple) was split into its node and its output_nr
+    w, h = torch.ones(3, requires_grad=True), torch.full((3,), 2.0, requires_grad=True)
+    x = w.exp()
+    plain = [(x * h).sin().sum(), x.cos().sum()]
+    want = [torch.autograd.grad(loss, [x, h], retain_graph=True, allow_unused=True) for loss in plain]
+    with gp.track():
+        x = w.exp()
+        losses = [(x * h).sin().sum(), x.cos().sum()]
+    edge = torch.autograd.graph.get_gradient_edge(x)
+    rows = gp.grads_each(losses, edge, accumulate=[h] if accumulate else (), allow_unused=True)
+    torch.testing.assert_close([row[0] for row in rows], [g for g, _ in want])
+    if accumulate:
+        torch.testing.assert_close(h.grad, want[0][1])
+    with gp.track():
+        y = w.exp()
+        unused = [(y * h).sum(), (y * h).sum()]
+    with pytest.raises(RuntimeError, match="materialize_grads cannot be used when the given input"):
+        gp.grads_each(unused, [h, edge], accumulate=[w] if accumulate else (), materialize_grads=True)
+
+
 @pytest.mark.parametrize("how", ["cut", "passes", "grads"])
 def test_a_feature_one_head_callable_memoises_for_the_next_is_named_with_what_to_do(how):
     # the error said "Pass keep=cache['f']", which cannot be passed: f did not exist yet

@@ -187,3 +187,21 @@ def test_retain_graph_false_with_create_graph_frees_the_graph_as_torch_does():
     assert gp.last_report().released_nodes == {"SinBackward0": 1, "MulBackward0": 1, "ExpBackward0": 1}
     with pytest.raises(gp.ReleasedTensorError):
         y2.backward()  # PyTorch's pass freed the trunk too
+
+
+@pytest.mark.parametrize("call", ["backward", "grad"])
+def test_a_generator_of_outputs_is_read_once(call):
+    # graphprune read the generator to find the graph, then torch found it empty
+    w, x, y = _graph()
+    w2 = torch.ones(4, requires_grad=True)
+    with gp.track():
+        z = (w2 * 2).cos()
+    outputs = (t.sum() for t in (y, z))
+    if call == "backward":
+        gp.backward(outputs, keep=x)
+        got = (w.grad, w2.grad)
+    else:
+        got = gp.grad(outputs, [w, w2], keep=x)
+    e = torch.ones(4)
+    assert_close(got, (3 * w.detach().exp().cos() * w.detach().exp(), -2 * (2 * e).sin()))
+    assert gp.last_report().released_nodes == {"SinBackward0": 1, "CosBackward0": 1}  # both graphs
