@@ -689,15 +689,20 @@ class Release:
         if best is None:
             return None
         _, t, part, done = best
-        name = _outputs.name_in_frames(t) or "x"
-        what = index_text(name, part, _size_along(t, part))
+        name = _outputs.name_in_frames(t)
+        what = index_text(name or "t", part, _size_along(t, part))
+        if name is not None:
+            subject, advice = f"{what} ({_outputs.describe(t)})", f"keep={what}"
+        else:  # held, but by nothing the nearest frames name: say which tensor, not a wrong name
+            subject = f"a tensor no variable names ({_outputs.describe(t)})"
+            advice = "it as keep=" if what == "t" else f"keep={what}, t that tensor,"
         if self.note is not None:
-            return f"The graph of {what} ({_outputs.describe(t)}) reaches this node: {self.note}"
+            return f"The graph of {subject} reaches this node: {self.note}"
         why = " (the pass it followed had run through it)" if done else ""
         return (
-            f"The graph of {what} ({_outputs.describe(t)}) reaches this node, and that call "
-            f"did not keep it{why}. Pass keep={what} to that call if a later backward pass "
-            "starts from it (graphprune's retain_graph=x)."
+            f"The graph of {subject} reaches this node, and that call did not keep it{why}. "
+            f"Pass {advice} to that call if a later backward pass starts from it "
+            "(graphprune's retain_graph=x)."
         )
 
 

@@ -101,6 +101,20 @@ def test_forgotten_keep_names_the_later_losses_by_index():
         losses[1].backward()
 
 
+def test_a_forgotten_keep_of_a_tensor_no_variable_names_is_not_given_a_wrong_name():
+    # the message fell back to "keep=x", a name the user's code may well have for another tensor
+    w, heads, inp = _model(4)
+    x = torch.zeros(())
+    with gp.track():
+        state = {"run": {"losses": _losses(w, heads, inp, "stack")}}
+    gp.backward(state["run"]["losses"][0], keep=[])
+    message = (r"The graph of a tensor no variable names \(tensor of shape \(4,\).*keep it\. "
+               r"Pass keep=t\[1:\], t that tensor, to that call")
+    with pytest.raises(gp.ReleasedTensorError, match=message):
+        state["run"]["losses"][1].backward()
+    assert x.shape == ()
+
+
 def test_unrouted_index_counts_as_a_pass_through_the_whole_tensor():
     """A tensor index exposes no geometry: the walk assumes every entry got a gradient
     (never a wrong gradient), so the later losses need keep=, and the error says so."""

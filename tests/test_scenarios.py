@@ -60,6 +60,21 @@ def test_live_intermediate_inside_the_pruned_graph_is_finished():
         x1.sum().backward()
 
 
+def test_a_live_intermediate_no_variable_names_is_described_not_misnamed():
+    # x1 held only inside a nested dict: the message named it "x", which here is another tensor
+    w = torch.tensor([1.0, 2.0, 3.0], requires_grad=True)
+    with gp.track():
+        x, x1, y1 = _seed_forward(w)
+    state = {"run": {"feature": x1}}
+    del x1
+    y1.backward(torch.ones(3), retain_graph=True)
+    gp.prune_after(y1)
+    message = r"The graph of a tensor no variable names \(tensor of shape \(3,\).*Pass it as keep= to that"
+    with pytest.raises(gp.ReleasedTensorError, match=message):
+        state["run"]["feature"].sum().backward()
+    assert x.shape == (3,)
+
+
 def test_keep_names_a_live_intermediate_to_backpropagate_later():
     w = torch.tensor([1.0, 2.0, 3.0], requires_grad=True)
     with gp.track():
