@@ -192,9 +192,22 @@ def _copy_slices(node, supports):
     kept = wanted - indices  # the base's gradient is zero where the write landed
     if base is not None and kept:
         out.append((base, base_nr, (d, kept)))
-    if wanted & indices:  # the written value gets the gradient of its region
-        out += [(c, nr, ALL) for c, nr in rest if c is not None]
+    hit = wanted & indices
+    if hit:  # the written value gets the gradient of its region: L[0:2] = stack([l0, l1])
+        rank = {k: j for j, k in enumerate(sorted(indices))}  # a slice's step is positive
+        positions = (d, frozenset(rank[k] for k in hit)) if hit != indices else ALL
+        ndim = _out_ndim(node)
+        out += [(c, nr, positions if positions is ALL or _fills(c, nr, d, len(indices), ndim) else ALL)
+                for c, nr in rest if c is not None]
     return out
+
+
+def _fills(child, nr: int, d: int, n: int, ndim: int) -> bool:
+    """Whether a value written into ``n`` entries along ``d`` of an ``ndim``-dim tensor
+    (``child``'s output ``nr``) spans them one by one, not broadcast: region entry
+    ``j`` along ``d`` is its entry ``j``."""
+    shape = child._input_metadata[nr].shape
+    return len(shape) == ndim and shape[d] == n
 
 
 _RULES: dict[str, Callable] = {

@@ -195,6 +195,50 @@ def test_assigning_part_of_a_row_keeps_the_rest_of_the_row_differentiable(how):
     assert_close(run(tracked=True), run(tracked=False))
 
 
+@pytest.mark.parametrize("key", [slice(0, 2), slice(0, 4, 2)])
+def test_a_stack_written_into_a_slice_routes_each_entry_to_its_head(key):
+    # L[0:2] = stack([l0, l1]): every entry of the written region reached both heads
+    w, heads, inp = _model(4)
+
+    def run(use_gp):
+        with gp.track():
+            x = (inp @ w).tanh()
+            ls = [((x @ h).sin() ** 2).mean() for h in heads]
+            losses = torch.zeros(4)
+            first = torch.stack(ls[:2])
+            losses[key] = first  # losses[0:2] or losses[::2]
+            losses[slice(1, 4, 2) if key.step else slice(2, 4)] = torch.stack(ls[2:])
+        grads, reports = [], []
+        for i in range(4):
+            w.grad = None
+            if use_gp:
+                reports.append(gp.backward(losses[i]))
+            else:
+                losses[i].backward(retain_graph=True)
+            grads.append(w.grad.clone())
+        return grads, reports
+
+    expected, _ = run(False)
+    got, reports = run(True)
+    assert_close(got, expected)
+    head_only = {"MmBackward0": 1, "SinBackward0": 1, "PowBackward0": 1}
+    assert [r.released_nodes for r in reports[:3]] == [head_only] * 3
+
+
+def test_a_value_broadcast_into_a_slice_gets_every_entry_of_it():
+    # v (shape (1,)) fills losses[0:2]: losses[1]'s gradient reaches v, so its head stays
+    w = torch.ones(3, requires_grad=True)
+    with gp.track():
+        v = w.exp().sum().reshape(1)
+        losses = torch.zeros(3)
+        losses[0:2] = v
+        losses[2] = w.sin().sum()
+    report = gp.backward(losses[0])
+    assert "ExpBackward0" not in report.released_nodes
+    losses[1].backward()
+    assert_close(w.grad, 2 * torch.ones(3).exp())
+
+
 def test_index_text_reads_like_python():
     assert _routing.index_text("losses", (0, frozenset({2, 3})), 4) == "losses[2:]"
     assert _routing.index_text("losses", (0, frozenset({1})), 4) == "losses[1]"
