@@ -50,7 +50,7 @@ from ._marks import is_hooked
 from ._plan import Plan, no_graph_reason
 from ._prune import _remember
 from ._report import PruneReport
-from ._tape import track
+from ._tape import before_hooks, track
 from ._warn import warn_at_caller
 
 __all__ = ["backward_each", "grads_each"]
@@ -139,45 +139,60 @@ def _backward_each(losses, keep, strategy: str, notes: list) -> list[PruneReport
         reports[-1] = _remember(dataclasses.replace(reports[-1], strategy=text))
         return reports
     reports, cut, whole, ran = [], collections.OrderedDict(), 0, []  # ran: the heads of whole passes
-    for i, head in enumerate(heads):
-        if head.cut and head.cut[0].node is head.loss.grad_fn:  # all of it is trunk: nothing to run yet
-            _add(cut, head.cut[0], torch.ones_like(head.loss))
-            continue
-        if lazy and i and head.stop != "whole" and _hooked([head]):  # NOTE [ Hooks at the cut ]
-            head.stop = "whole"
-        if head.stop == "whole":  # NOTE [ Where a head's pass stops ]: its whole pass, the trunk kept
-            whole += 1
-            head.lower = set()
-            ran.append(head)  # for the trunk's release: what only it reaches goes with the rest
-            _, report = _pass(call, [head.loss], keep, head.guards,
-                              lambda head=head: torch.autograd.backward(head.loss, retain_graph=True),
-                              notes=notes, lazy=lazy)
+    flushed: list[GradientEdge] = []  # where the trunk ran early: NOTE [ Hooks a later head registers ]
+
+    def flush():
+        if cut:
+            early, grads = [GradientEdge(node, nr) for node, nr in cut], [g for g, _ in cut.values()]
+            cut.clear()
+            torch.autograd.backward(early, grads, retain_graph=True)  # releases nothing: later heads use it
+            flushed.append(early)
+
+    with before_hooks(flush) if lazy else contextlib.nullcontext():
+        for i, head in enumerate(heads):
+            if head.cut and head.cut[0].node is head.loss.grad_fn:  # all of it is trunk: nothing to run yet
+                _add(cut, head.cut[0], torch.ones_like(head.loss))
+                continue
+            if lazy and i and head.stop != "whole" and _hooked([head]):  # NOTE [ Hooks at the cut ]
+                head.stop = "whole"
+            if head.stop == "whole":  # NOTE [ Where a head's pass stops ]: its whole pass, the trunk kept
+                whole += 1
+                head.lower = set()
+                ran.append(head)  # for the trunk's release: what only it reaches goes with the rest
+                _, report = _pass(call, [head.loss], keep, head.guards,
+                                  lambda head=head: torch.autograd.backward(head.loss, retain_graph=True),
+                                  notes=notes, lazy=lazy)
+                reports.append(report)
+                continue
+            got, report = _pass(call, [head.loss], keep, head.guards, functools.partial(_to_the_cut, head),
+                                notes=notes, lazy=lazy)
             reports.append(report)
-            continue
-        got, report = _pass(call, [head.loss], keep, head.guards, functools.partial(_to_the_cut, head),
-                            notes=notes, lazy=lazy)
-        reports.append(report)
-        _add_each(cut, head.cut, got)
-        del got  # before the next callable builds its head: one gradient at the cut, the sum
+            _add_each(cut, head.cut, got)
+            del got  # before the next callable builds its head: one gradient at the cut, the sum
     edges = [GradientEdge(node, nr) for node, nr in cut]
     grads = [g for g, _ in cut.values()]
+    below = [e for head in ran for e in head.cut] + [e for early in flushed for e in early]
+    below = list({(e.node, e.output_nr): e for e in below if (e.node, e.output_nr) not in cut}.values())
+    whys = []
+    if whole:
+        whys.append(f"{whole} head(s) ran whole passes: a reentrant checkpoint above the cut, or a hook "
+                    "below it, or a tensor at it that retains its grad")
+    if flushed:
+        whys.append(f"the trunk ran {len(flushed)} time(s) more, from the earlier heads' gradients, before "
+                    "a later head's callable registered a tensor hook")
+    why = f" ({'; '.join(whys)})" if whys else ""
     if not edges:  # every head ran its whole pass, or none reached a leaf that requires grad
-        if whole:  # what the whole passes kept of the trunk goes now
-            plan = Plan(call, [head.loss for head in ran], keep, arg="losses")
+        if below:  # what the whole passes (and the early trunk passes) kept of the trunk goes now
+            plan = Plan(call, [head.loss for head in ran] or None, keep, arg="losses", edges=below)
             report = plan.report(call, dry_run=False)
             plan.release()
-            text = (f"cut: the {whole} head(s) ran whole passes (a reentrant checkpoint above the cut, or a "
-                    "hook below it, or a tensor at it that retains its grad)")
+            text = f"cut: {len(items)} head pass(es), the trunk released after the last{why}"
             reports.append(_remember(dataclasses.replace(report, strategy=text)))
         return reports
-    below = [e for head in ran for e in head.cut if (e.node, e.output_nr) not in cut]  # released after it
-    del cut
+    cut.clear()
     _, report = _pass(call, None, keep, (), lambda: torch.autograd.backward(edges, grads, retain_graph=True),
                       edges=edges + below, notes=notes)
-    text = f"cut: {len(items)} head pass(es), then the trunk once from {len(edges)} edge(s)"
-    if whole:
-        text += (f" ({whole} head(s) ran whole passes: a reentrant checkpoint above the cut, or a hook "
-                 "below it, or a tensor at it that retains its grad)")
+    text = f"cut: {len(items)} head pass(es), then the trunk once from {len(edges)} edge(s){why}"
     reports.append(_remember(dataclasses.replace(report, strategy=text)))
     return reports
 
@@ -218,7 +233,8 @@ def grads_each(losses, inputs, *, keep=None, allow_unused: bool | None = None,
     if not isinstance(inputs, (torch.Tensor, list, tuple, dict)):
         inputs = wanted  # a generator (model.parameters()): read once, by every pass
     extra = [accumulate] if isinstance(accumulate, torch.Tensor) else list(accumulate)
-    returned = {id(t) for t in wanted}
+    returned = {id(t.node.variable if isinstance(t, GradientEdge) and is_accumulator(t.node) else t)
+                for t in wanted}  # a leaf's edge is the leaf
     for i, t in enumerate(extra):
         if not (isinstance(t, torch.Tensor) and t.is_leaf and t.requires_grad):
             raise TypeError(f"{call}: accumulate[{i}] must be a leaf tensor that requires grad "
@@ -228,6 +244,10 @@ def grads_each(losses, inputs, *, keep=None, allow_unused: bool | None = None,
             raise ValueError(f"{call}: accumulate[{i}] is in inputs too: its gradient is either returned "
                              "in the rows or accumulated into .grad; pass it in one of them")
 
+    if extra and materialize_grads and allow_unused is False:  # torch's check, which run() skips
+        raise ValueError("Expected allow_unused to be True or not passed when materialize_grads=True, "
+                         "but got: allow_unused=False.")
+
     def run(loss):
         if not extra:
             return torch.autograd.grad(loss, inputs, retain_graph=True, allow_unused=allow_unused,
@@ -236,9 +256,10 @@ def grads_each(losses, inputs, *, keep=None, allow_unused: bool | None = None,
             got = torch.autograd.grad(loss, wanted + extra, retain_graph=True, allow_unused=True)
         row = got[:len(wanted)]
         del got
-        if not allow_unused and not materialize_grads and any(g is None for g in row):
-            raise RuntimeError("One of the differentiated Tensors appears to not have been used in the "
-                               "graph. Set allow_unused=True if this is the desired behavior.")
+        unused = [i for i, g in enumerate(row) if g is None]
+        if unused and not allow_unused and not materialize_grads:
+            raise RuntimeError(f"The differentiated Tensor at index {unused[0]} appears to not have been "
+                               "used in the graph. Set allow_unused=True if this is the desired behavior.")
         if materialize_grads:
             if any(g is None and isinstance(t, GradientEdge) for t, g in zip(wanted, row)):
                 raise RuntimeError("materialize_grads cannot be used when the given input is a GradientEdge")
@@ -289,7 +310,19 @@ def _hooked(heads) -> bool:
     that computes a derivative). For heads given as callables the first head's lower
     part decides for all (it is built before any pass runs); a later head whose lower
     part or cut holds such a hook runs its whole pass, the trunk kept (NOTE [ Where a
-    head's pass stops ]), which runs the hook once for that loss. Not seen: a hook
+    head's pass stops ]), which runs the hook once for that loss.
+
+    NOTE [ Hooks a later head registers ]
+    A later head's callable that registers a tensor hook under ``track()`` (``register_hook``,
+    ``retain_grad``, ``register_post_accumulate_grad_hook``) would have it run on the
+    earlier heads' gradients too, still waiting at the cut for the trunk's one pass,
+    where the plain loop had run those before the hook existed. So the recorder runs
+    the trunk from the gradients at the cut right before it registers the hook
+    (``_tape.before_hooks``), releasing nothing, and the cut starts again; the last
+    trunk pass releases what the early ones ran through. Not seen: a hook registered
+    outside ``track()`` (the callable runs under it), on a node (``Node.register_hook``).
+
+    Not seen: a hook
     registered outside ``track()`` on a non-leaf tensor that has died since, hooks
     on trunk nodes themselves (``Node.register_prehook``,
     ``Node.register_hook``, the old ``Module.register_backward_hook``), which run once
@@ -440,7 +473,7 @@ def _whole_passes(call: str, heads, count: int, keep, run, lazy: bool, notes: li
         guards = head.guards if i < count - 1 else ()
         losses.append(head.loss)
         out.append(_pass(call, [head.loss], keep, guards, lambda head=head: run(head.loss), notes=notes,
-                         lazy=lazy))
+                         lazy=lazy and i < count - 1))  # the last releases the trunk too: keep= names it
     if lazy:
         plan = Plan(call, losses, keep, arg="losses")
         report = plan.report(call, dry_run=False)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import sys
 import threading
@@ -39,8 +40,10 @@ _NO_KWARGS: dict = {}
 _Size = torch.Size
 _TENSOR_OR_SEQUENCE = (_Tensor, tuple, list)  # a tuple's subclass too: torch.return_types.max
 _REGISTERS_A_HOOK = "registers a hook"  # truthy: _inplace_funcs' rare branch
-# func -> whether it modifies its first argument in place, or _REGISTERS_A_HOOK
-_inplace_funcs: dict = {torch.Tensor.register_hook: _REGISTERS_A_HOOK}
+_ADDS_A_HOOK = "adds a hook"  # a tensor hook of another kind: nothing to mark
+# func -> whether it modifies its first argument in place, or _REGISTERS_A_HOOK, _ADDS_A_HOOK
+_inplace_funcs: dict = {torch.Tensor.register_hook: _REGISTERS_A_HOOK, torch.Tensor.retain_grad: _ADDS_A_HOOK,
+                        torch.Tensor.register_post_accumulate_grad_hook: _ADDS_A_HOOK}
 _INPLACE_DUNDERS = frozenset(
     f"__i{op}__" for op in ("add", "sub", "mul", "truediv", "floordiv", "mod", "pow",
                             "and", "or", "xor", "lshift", "rshift", "matmul")
@@ -98,7 +101,9 @@ class _OutputRecorder(TorchFunctionMode):
         if inplace:  # rare: an in-place method, or a tensor hook's registration
             if inplace is _REGISTERS_A_HOOK:
                 return _call_registering_hook(call, func, args, kwargs)
-            if args and isinstance(args[0], _Tensor) and _is_view(args[0]):
+            if inplace is _ADDS_A_HOOK:
+                _before_a_hook()
+            elif args and isinstance(args[0], _Tensor) and _is_view(args[0]):
                 return _call_inplace_on_view(call, func, args, kwargs)
         out = call(func, args, kwargs)
         if type(out) is _Tensor:  # the common case, inlined
@@ -273,6 +278,7 @@ def _call_registering_hook(call, func, args, kwargs):
     """``t.register_hook(hook)``, through ``call``: mark ``t``'s node, whose hooks run
     wherever its gradient arrives, whether ``t`` lives then or not (NOTE [ Hooks at the
     cut ] in ``_each.py``)."""
+    _before_a_hook()
     out = call(func, args, kwargs)
     t = args[0] if args else None
     if isinstance(t, _Tensor):
@@ -286,6 +292,25 @@ def _call_registering_hook(call, func, args, kwargs):
             mark_hooked(fn)
     _note_safely(out, args)
     return out
+
+
+@contextlib.contextmanager
+def before_hooks(run):
+    """While open, ``run()`` in this thread before a tensor hook is registered under
+    ``track()`` (``register_hook``, ``retain_grad``, ``register_post_accumulate_grad_hook``):
+    NOTE [ Hooks a later head registers ] in ``_each.py``."""
+    old = getattr(_local, "before_hook", None)
+    _local.before_hook = run
+    try:
+        yield
+    finally:
+        _local.before_hook = old
+
+
+def _before_a_hook() -> None:
+    run = getattr(_local, "before_hook", None)
+    if run is not None:
+        run()
 
 
 def _call_inplace_on_view(call, func, args, kwargs):

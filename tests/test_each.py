@@ -403,6 +403,55 @@ def test_grads_each_takes_one_gradient_edge_as_inputs(accumulate):
         gp.grads_each(unused, [h, edge], accumulate=[w] if accumulate else (), materialize_grads=True)
 
 
+def test_grads_each_refuses_a_leaf_in_inputs_by_its_edge_and_in_accumulate():
+    # the edge's id is no leaf's: the row held the placeholder's zeros, the gradient went to .grad
+    w, a = torch.ones(2, requires_grad=True), torch.tensor([1.0, 2.0], requires_grad=True)
+    with gp.track():
+        x = w * 3
+        losses = [(x * a).sum(), (x * a).sin().sum()]
+    edge = torch.autograd.graph.get_gradient_edge(a)
+    with pytest.raises(ValueError, match=r"accumulate\[0\] is in inputs too"):
+        gp.grads_each(losses, [w, edge], accumulate=[a])
+    assert a.grad is None
+
+
+@pytest.mark.parametrize("accumulate", [False, True])
+def test_grads_each_checks_allow_unused_and_materialize_grads_as_torch_does(accumulate):
+    # with accumulate= the rows were made by hand: allow_unused=False with materialize_grads
+    # was taken, and the unused input's error had no index
+    def losses():
+        w, a, c = (torch.tensor([1.0, 2.0], requires_grad=True) for _ in range(3))
+        with gp.track():
+            x = w * 3
+            ls = [(x * a).sum(), (x * a).sin().sum()]
+        return ls, [w, c], {"accumulate": [a]} if accumulate else {}
+
+    ls, inputs, extra = losses()
+    with pytest.raises(ValueError, match="Expected allow_unused to be True or not passed when materia"):
+        gp.grads_each(ls, inputs, allow_unused=False, materialize_grads=True, **extra)
+    ls, inputs, extra = losses()
+    with pytest.raises(RuntimeError, match="The differentiated Tensor at index 1 appears to not have been"):
+        gp.grads_each(ls, inputs, **extra)
+
+
+@pytest.mark.parametrize("how", ["grads", "passes"])
+def test_the_trunk_the_last_whole_pass_released_is_named_for_keep_not_blamed_on_a_callable(how):
+    # the last pass releases the trunk, built before the call: the error said a head's callable built it
+    w, a = torch.ones(3, requires_grad=True), torch.full((3,), 0.5, requires_grad=True)
+    with gp.track():
+        x = w.exp()
+    heads = [lambda: (x * a).sin().sum(), lambda: (x * a).cos().sum()]
+    if how == "grads":
+        gp.grads_each(heads, [w])
+    else:
+        gp.backward_each(heads, strategy="passes")
+    with gp.track():
+        later = (x * 2).tanh().sum()
+    with pytest.raises(gp.ReleasedTensorError, match=r"Pass keep=x to that call") as raised:
+        later.backward()
+    assert "callable built it" not in str(raised.value)
+
+
 @pytest.mark.parametrize("how", ["cut", "passes", "grads"])
 def test_a_feature_one_head_callable_memoises_for_the_next_is_named_with_what_to_do(how):
     # the error said "Pass keep=cache['f']", which cannot be passed: f did not exist yet
@@ -459,6 +508,48 @@ def test_a_lazy_head_with_a_hook_at_its_cut_runs_its_whole_pass(hook):
         return [w1.grad, w2.grad, *[t.grad for t in h]] + ([x1.grad] if hook == "retain_grad" else [])
 
     torch.testing.assert_close(run(True), run(False))
+
+
+@pytest.mark.parametrize("where", ["at the cut", "below it", "retain_grad", "a trunk leaf"])
+def test_a_hook_a_later_head_callable_registers_does_not_see_the_earlier_heads_gradients(where):
+    """The second callable registers a hook on the trunk: the plain loop runs it on the
+    second loss's gradient only, where the trunk's one pass ran it on both heads' sum."""
+    def run(use_gp):
+        w = torch.tensor([1.0, 2.0], requires_grad=True)
+        a, b = torch.tensor([0.5, 0.3], requires_grad=True), torch.tensor([0.2, 0.7], requires_grad=True)
+        seen = []
+        with gp.track():
+            z = w * w
+            x = z.sin()
+
+        def second():
+            if where == "retain_grad":
+                x.retain_grad()
+            elif where == "a trunk leaf":
+                w.register_post_accumulate_grad_hook(lambda p: seen.append(p.grad.clone()))
+            else:
+                (x if where == "at the cut" else z).register_hook(lambda g: g * 10)
+            return (x * b).cos().sum()
+
+        heads = [lambda: (x * a).sin().sum(), second]
+        if use_gp:
+            reports = gp.backward_each(heads)
+            assert "the trunk ran 1 time(s) more" in reports[-1].strategy
+            assert reports[-1].released_nodes == {"SinBackward0": 1, "MulBackward0": 1}  # the trunk, last
+        else:
+            for f in heads:
+                f().backward(retain_graph=True)
+        return [w.grad, a.grad, b.grad, *seen] + ([x.grad] if where == "retain_grad" else [])
+
+    torch.testing.assert_close(run(True), run(False))
+
+
+def test_a_later_head_callable_that_registers_no_hook_runs_the_trunk_once():
+    w = torch.ones(2, requires_grad=True)
+    with gp.track():
+        x = w.exp()
+    heads = [lambda: (x * 2).sin().sum(), lambda: (x * 3).sin().sum()]
+    assert gp.backward_each(heads)[-1].strategy == "cut: 2 head pass(es), then the trunk once from 1 edge(s)"
 
 
 def _hooked_heads(how, hook, retain):
