@@ -39,6 +39,7 @@ import collections
 import contextlib
 import dataclasses
 import functools
+from collections.abc import Mapping
 from typing import Callable
 
 import torch
@@ -47,7 +48,7 @@ from torch.autograd.graph import GradientEdge
 from . import _outputs, _routing
 from ._graph import FOREIGN, _is_router, is_accumulator, reach, saved
 from ._marks import is_hooked
-from ._plan import Plan, no_graph_reason
+from ._plan import Plan, listed, no_graph_reason
 from ._prune import _remember
 from ._report import PruneReport
 from ._tape import before_hooks, track
@@ -424,7 +425,8 @@ def _accumulating(leaves: list):
     layers, ``.grad`` set to ``None``: 196 MiB at the peak, 204 holding them all, 136
     for the hand-made cut). Only heads whose cut needs the capture pay it.
     """
-    handles = [leaf.register_hook(functools.partial(_accumulate_now, leaf)) for leaf in leaves]
+    with before_hooks(None):  # graphprune's own hooks, no later head's: NOTE [ Hooks a later head registers ]
+        handles = [leaf.register_hook(functools.partial(_accumulate_now, leaf)) for leaf in leaves]
     try:
         yield
     finally:
@@ -503,11 +505,12 @@ def _items(losses, call: str) -> list:
         else:
             raise ValueError(f"{call}: losses must be a 1-d tensor of losses, got shape "
                              f"{tuple(losses.shape)}")
-    elif isinstance(losses, (list, tuple)):
-        items = list(losses)
+    elif isinstance(losses, (list, tuple)) or (losses := listed(losses)).__class__ is list:
+        items = list(losses)  # any iterable, read once (a generator, dict.values())
     else:
+        hint = " (its .values()?)" if isinstance(losses, Mapping) else ""
         raise TypeError(f"{call}: losses must be a list of losses, a 1-d tensor of them, or a list of "
-                        f"callables that return them, got {type(losses).__name__}")
+                        f"callables that return them, got {type(losses).__name__}{hint}")
     if not items:
         raise ValueError(f"{call}: losses is empty")
     lazy = [callable(t) and not isinstance(t, torch.Tensor) for t in items]

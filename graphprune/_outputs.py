@@ -283,16 +283,23 @@ def name_in_frames(t: torch.Tensor, frames: int = 3) -> str | None:
     """A name the user's code has for ``t`` right now, looked up in the locals of the
     first ``frames`` frames outside torch and graphprune: a variable (``logits``), an
     item or attribute of one (``losses[2]``, ``out["logits"]``, ``out.logits``,
-    ``self.loss``). ``None`` if none holds it. For messages only: it walks frames."""
+    ``self.loss``), then in those frames' modules' globals. ``None`` if none holds it.
+    For messages only: it walks frames."""
     frame = sys._getframe(1)
     seen = 0
+    modules: dict[int, dict] = {}
     while frame is not None and seen < frames:
         if not _inside_library(frame.f_code):
             seen += 1
             found = _name_in(t, _locals_of(frame))
             if found is not None:
                 return found
+            modules.setdefault(id(frame.f_globals), frame.f_globals)
         frame = frame.f_back
+    for module_globals in modules.values():
+        found = _name_in(t, module_globals)
+        if found is not None:
+            return found
     return None
 
 

@@ -7,6 +7,7 @@ import collections
 import functools
 import itertools
 import weakref
+from collections.abc import Iterable, Mapping
 
 import torch
 from torch.autograd.graph import GradientEdge, Node
@@ -64,13 +65,23 @@ def no_graph_reason(t: torch.Tensor) -> str:
             "or from tensors that do not require grad")
 
 
+def listed(value):
+    """``value`` as PyTorch's passes read their outputs: one tensor or gradient edge as
+    it is, any other iterable (a generator, ``dict.values()``, a deque) as a list, read
+    once; a mapping or a string as it is, to be refused by name."""
+    if isinstance(value, (torch.Tensor, list, tuple, str, bytes, Mapping)) or not isinstance(value, Iterable):
+        return value
+    return list(value)
+
+
 def as_outputs(
     value, call: str, arg: str, leaves: bool = False
 ) -> tuple[list[torch.Tensor], list[GradientEdge]]:
-    """The tensors and the gradient edges in ``value`` (one, or a list or tuple of
-    them: what PyTorch's passes take) whose graphs a prune walks. ``leaves``: a leaf
+    """The tensors and the gradient edges in ``value`` (one, or an iterable of them:
+    what PyTorch's passes take) whose graphs a prune walks. ``leaves``: a leaf
     tensor or a leaf's edge, which have no graph behind them (a pass from one only
     writes its ``.grad``), is left out rather than refused."""
+    value = listed(value)
     single = isinstance(value, GradientEdge) or not isinstance(value, (list, tuple))
     items = [value] if single else list(value)
     if not items and not leaves:
@@ -694,7 +705,7 @@ class Release:
         if name is not None:
             subject, advice = f"{what} ({_outputs.describe(t)})", f"keep={what}"
         else:  # held, but by nothing the nearest frames name: say which tensor, not a wrong name
-            subject = f"a tensor no variable names ({_outputs.describe(t)})"
+            subject = f"a tensor that no variable of the nearest frames names ({_outputs.describe(t)})"
             advice = "it as keep=" if what == "t" else f"keep={what}, t that tensor,"
         if self.note is not None:
             return f"The graph of {subject} reaches this node: {self.note}"

@@ -4,14 +4,14 @@ from __future__ import annotations
 
 import dataclasses
 import threading
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 
 import torch
 from torch.autograd.graph import GradientEdge
 
 from ._collector import walks
 from ._graph import is_accumulator, walk
-from ._plan import Plan, as_outputs
+from ._plan import Plan, as_outputs, listed
 from ._report import KeptReason, PruneReport
 from ._warn import warn_at_caller
 
@@ -187,8 +187,7 @@ def backward(
         tensor([17.4964, 17.4964, 17.4964, 17.4964])
     """
     call = "graphprune.backward"
-    if isinstance(tensors, Iterator):
-        tensors = list(tensors)  # a generator, as torch takes: read by the plan, then by the pass
+    tensors = listed(tensors)  # a generator, dict.values(), as torch takes: read by the plan, then the pass
     if inputs is not None and not isinstance(inputs, (torch.Tensor, Sequence, dict)):
         inputs = list(inputs)  # a generator (model.parameters()): the pass and made() both read it
 
@@ -234,8 +233,7 @@ def grad(
         {'MulBackward0': 1}
     """
     call = "graphprune.grad"
-    if isinstance(outputs, Iterator):
-        outputs = list(outputs)
+    outputs = listed(outputs)
 
     def pass_fn(retain: bool):
         return torch.autograd.grad(

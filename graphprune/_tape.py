@@ -298,7 +298,8 @@ def _call_registering_hook(call, func, args, kwargs):
 def before_hooks(run):
     """While open, ``run()`` in this thread before a tensor hook is registered under
     ``track()`` (``register_hook``, ``retain_grad``, ``register_post_accumulate_grad_hook``):
-    NOTE [ Hooks a later head registers ] in ``_each.py``."""
+    NOTE [ Hooks a later head registers ] in ``_each.py``. ``run=None``: nothing runs
+    (graphprune registering its own hooks)."""
     old = getattr(_local, "before_hook", None)
     _local.before_hook = run
     try:

@@ -1,6 +1,8 @@
 """backward_each and grads_each: per-loss passes equal plain PyTorch's, heads freed
 as their passes end, the trunk after the last."""
 
+import contextlib
+
 import pytest
 import torch
 from hypothesis import given, settings
@@ -216,11 +218,32 @@ def test_grads_each_allow_unused_and_materialize_grads():
     ([torch.ones(2, requires_grad=True) * 2], ValueError, r"losses\[0\] must be a scalar loss"),
     ([torch.ones(())], ValueError, r"losses\[0\] has no grad_fn \(it does not require grad: made under"),
     ([lambda: None], TypeError, r"losses\[0\]\(\) must be a torch.Tensor, got NoneType"),
+    ({"a": 1}, TypeError, r"must be a list of losses.* got dict \(its \.values\(\)\?\)"),
+    (iter([]), ValueError, "losses is empty"),
 ])
 def test_per_loss_helpers_name_their_bad_arguments(losses, error, match):
     with pytest.raises(error, match=match):
         gp.backward_each(losses)
 
+
+
+@pytest.mark.parametrize("how", ["values", "generator"])
+@pytest.mark.parametrize("lazy", [False, True], ids=["tensors", "callables"])
+def test_per_loss_helpers_take_any_iterable_of_losses(how, lazy):
+    # only lists and tuples were taken: dict.values() and a generator were refused
+    def run(each):
+        w = torch.ones(3, requires_grad=True)
+        with gp.track():
+            x = w.exp()
+            made = {i: (lambda i=i: (x * i).sin().sum()) for i in (1, 2)}
+            if not lazy:
+                made = {i: f() for i, f in made.items()}
+        losses = made.values() if how == "values" else (f for f in made.values())
+        if each:
+            return gp.grads_each(losses, [w])
+        return [torch.autograd.grad(f() if lazy else f, w, retain_graph=True) for f in made.values()]
+
+    assert_close(run(True), run(False))
 
 def test_backward_each_names_a_bad_strategy():
     w = torch.ones(2, requires_grad=True)
@@ -551,6 +574,47 @@ def test_a_later_head_callable_that_registers_no_hook_runs_the_trunk_once():
     heads = [lambda: (x * 2).sin().sum(), lambda: (x * 3).sin().sum()]
     assert gp.backward_each(heads)[-1].strategy == "cut: 2 head pass(es), then the trunk once from 1 edge(s)"
 
+
+
+class _Squared(torch.autograd.Function):
+    """A custom Function at the cut: its heads' passes capture the cut's gradient and
+    accumulate their parameters through graphprune's own leaf hooks."""
+
+    @staticmethod
+    def forward(ctx, t):
+        ctx.save_for_backward(t)
+        return t * t
+
+    @staticmethod
+    def backward(ctx, g):
+        (t,) = ctx.saved_tensors
+        return 2 * t * g
+
+
+@pytest.mark.parametrize("outer", [False, True], ids=["alone", "inside_track"])
+def test_graphprunes_own_leaf_hooks_are_not_a_later_heads_hook(outer):
+    """Inside the user's track(), the hooks graphprune registers on a head's leaves (to
+    accumulate them as they arrive) counted as a later head's callable registering a
+    hook: the trunk ran once per head, the strategy text blamed a callable."""
+    def run(strategy):
+        torch.manual_seed(0)
+        w = torch.randn(3, 3, requires_grad=True)
+        a = [torch.randn(3, requires_grad=True) for _ in range(3)]
+        with gp.track():
+            z = (torch.randn(2, 3) @ w).tanh()
+            x = _Squared.apply(z)
+        trunk_runs = []
+        z.grad_fn.register_prehook(lambda g: trunk_runs.append(1))
+        heads = [lambda i=i: (x * a[i]).sin().sum() for i in range(3)]
+        with gp.track() if outer else contextlib.nullcontext():
+            report = gp.backward_each(heads, strategy=strategy)[-1]
+        return [w.grad, *(t.grad for t in a)], len(trunk_runs), report.strategy
+
+    want, want_runs, _ = run("passes")
+    got, runs, strategy = run("cut")
+    assert_close(got, want)
+    assert (want_runs, runs) == (3, 1)
+    assert strategy == "cut: 3 head pass(es), then the trunk once from 1 edge(s)"
 
 def _hooked_heads(how, hook, retain):
     torch.manual_seed(0)

@@ -108,12 +108,35 @@ def test_a_forgotten_keep_of_a_tensor_no_variable_names_is_not_given_a_wrong_nam
     with gp.track():
         state = {"run": {"losses": _losses(w, heads, inp, "stack")}}
     gp.backward(state["run"]["losses"][0], keep=[])
-    message = (r"The graph of a tensor no variable names \(tensor of shape \(4,\).*keep it\. "
-               r"Pass keep=t\[1:\], t that tensor, to that call")
+    message = (r"The graph of a tensor that no variable of the nearest frames names \(tensor of shape \(4,\)"
+               r".*keep it\. Pass keep=t\[1:\], t that tensor, to that call")
     with pytest.raises(gp.ReleasedTensorError, match=message):
         state["run"]["losses"][1].backward()
     assert x.shape == ()
 
+
+
+_LOSSES = None  # a module global, for the test below
+
+
+def _through(depth, call):
+    return call() if depth == 0 else _through(depth - 1, call)
+
+
+def test_a_forgotten_keep_names_a_module_global_beyond_the_nearest_frames():
+    # a trainer's helpers between the global and the failing backward: the message said
+    # no variable names it
+    global _LOSSES
+    w, heads, inp = _model(4)
+    with gp.track():
+        _LOSSES = _losses(w, heads, inp, "stack")
+    try:
+        gp.backward(_LOSSES[0], keep=[])
+        message = r"The graph of _LOSSES\[1:\] .*Pass keep=_LOSSES\[1:\]"
+        with pytest.raises(gp.ReleasedTensorError, match=message):
+            _through(3, lambda: _LOSSES[1].backward())
+    finally:
+        _LOSSES = None
 
 def test_unrouted_index_counts_as_a_pass_through_the_whole_tensor():
     """A tensor index exposes no geometry: the walk assumes every entry got a gradient

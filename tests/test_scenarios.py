@@ -69,7 +69,8 @@ def test_a_live_intermediate_no_variable_names_is_described_not_misnamed():
     del x1
     y1.backward(torch.ones(3), retain_graph=True)
     gp.prune_after(y1)
-    message = r"The graph of a tensor no variable names \(tensor of shape \(3,\).*Pass it as keep= to that"
+    message = (r"The graph of a tensor that no variable of the nearest frames names \(tensor of shape \(3,\)"
+               r".*Pass it as keep= to that")
     with pytest.raises(gp.ReleasedTensorError, match=message):
         state["run"]["feature"].sum().backward()
     assert x.shape == (3,)

@@ -1,5 +1,6 @@
 """gp.backward and gp.grad take what torch.autograd.backward and torch.autograd.grad take."""
 
+import collections
 import inspect
 
 import pytest
@@ -205,3 +206,35 @@ def test_a_generator_of_outputs_is_read_once(call):
     e = torch.ones(4)
     assert_close(got, (3 * w.detach().exp().cos() * w.detach().exp(), -2 * (2 * e).sin()))
     assert gp.last_report().released_nodes == {"SinBackward0": 1, "CosBackward0": 1}  # both graphs
+
+
+@pytest.mark.parametrize("make", [lambda d: d.values(), lambda d: collections.deque(d.values())],
+                         ids=["dict_values", "deque"])
+@pytest.mark.parametrize("call", ["backward", "grad", "prune_after"])
+def test_any_iterable_of_outputs_is_taken_as_torch_takes_it(call, make):
+    # only lists, tuples and generators were read: torch's tuple(tensors) takes any iterable
+    w, x, y = _graph()
+    outputs = {"a": y.sum(), "b": (x * 3).sum()}
+    if call == "backward":
+        gp.backward(make(outputs), keep=x)
+        got = w.grad
+    elif call == "grad":
+        (got,) = gp.grad(make(outputs), w, keep=x)
+    else:
+        torch.autograd.backward(list(outputs.values()), retain_graph=True)
+        gp.prune_after(make(outputs), keep=x)
+        got = w.grad
+    e = w.detach().exp()
+    assert_close(got, 3 * e.cos() * e + 3 * e)
+    assert gp.last_report().released_nodes == {"SinBackward0": 1}
+
+
+@pytest.mark.parametrize("call", ["backward", "grad", "prune_after"])
+def test_a_dict_of_outputs_is_refused_by_name(call):
+    w, x, y = _graph()
+    outputs = {"a": y.sum()}
+    with pytest.raises(TypeError, match=r"must be a torch\.Tensor or a GradientEdge, got dict"):
+        if call == "grad":
+            gp.grad(outputs, w)
+        else:
+            getattr(gp, call)(outputs)
