@@ -1,13 +1,15 @@
 """The memory a prune gives back: one trunk, three heads, measured by RSS.
 
-Run: ``bash scripts/demo.sh`` (sets ``MALLOC_MMAP_THRESHOLD_=65536`` so that freed
-tensors really leave the process, DESIGN.md fact 11). Each head's loss is
+Run: ``bash scripts/demo.sh``, or ``python examples/demo.py``, which starts itself again
+with ``MALLOC_MMAP_THRESHOLD_=65536`` where that is not set (so that freed tensors really
+leave the process and RSS shows them go, DESIGN.md fact 11). Each head's loss is
 backpropagated in turn; plain PyTorch keeps every head's saved tensors with
 ``retain_graph=True``, graphprune frees each finished head and keeps the trunk.
 """
 
 import gc
 import os
+import sys
 
 import psutil
 import torch
@@ -51,9 +53,12 @@ def step(use_graphprune: bool) -> list[tuple[str, float, float]]:
 
 
 if __name__ == "__main__":
+    THRESHOLD = "MALLOC_MMAP_THRESHOLD_"
+    if THRESHOLD not in os.environ:  # read by the C library at start only
+        os.execve(sys.executable, [sys.executable, *sys.argv], {**os.environ, THRESHOLD: "65536"})
     step(False)  # warm up the allocator and the kernels
     plain, pruned = step(False), step(True)
-    print("RSS over the baseline, MiB (one process, MALLOC_MMAP_THRESHOLD_=65536)")
+    print(f"RSS over the baseline, MiB (one process, {THRESHOLD}={os.environ[THRESHOLD]})")
     print(f"{'phase':<26} {'retain_graph=True':>18} {'gp.backward':>12} {'report: freed':>14}")
     for (label, a, _), (_, b, freed) in zip(plain, pruned):
         print(f"{label:<26} {a:>18.0f} {b:>12.0f} {freed:>14.0f}")

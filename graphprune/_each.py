@@ -39,7 +39,8 @@ import collections
 import contextlib
 import dataclasses
 import functools
-from collections.abc import Mapping
+import itertools
+from collections.abc import Iterable, Mapping
 from typing import Callable
 
 import torch
@@ -233,7 +234,13 @@ def grads_each(losses, inputs, *, keep=None, allow_unused: bool | None = None,
               list(inputs.values()) if keys is not None else list(inputs))
     if not isinstance(inputs, (torch.Tensor, list, tuple, dict)):
         inputs = wanted  # a generator (model.parameters()): read once, by every pass
-    extra = [accumulate] if isinstance(accumulate, torch.Tensor) else list(accumulate)
+    if isinstance(accumulate, torch.Tensor):
+        extra = [accumulate]
+    elif isinstance(accumulate, Iterable) and not isinstance(accumulate, (str, Mapping)):
+        extra = list(accumulate)  # a generator (head.parameters()) too
+    else:
+        raise TypeError(f"{call}: accumulate must be a leaf tensor or a list of them (the heads' "
+                        f"parameters), got {type(accumulate).__name__}")
     returned = {id(t.node.variable if isinstance(t, GradientEdge) and is_accumulator(t.node) else t)
                 for t in wanted}  # a leaf's edge is the leaf
     for i, t in enumerate(extra):
@@ -249,7 +256,19 @@ def grads_each(losses, inputs, *, keep=None, allow_unused: bool | None = None,
         raise ValueError("Expected allow_unused to be True or not passed when materialize_grads=True, "
                          "but got: allow_unused=False.")
 
+    index = itertools.count()  # the pass running: the loss it is of
+
     def run(loss):
+        i = next(index)
+        try:
+            return row_of(loss)
+        except RuntimeError as e:  # torch's unused-input error says which input, not which loss
+            if "appears to not have been used in the graph" not in str(e):
+                raise
+            before = f" The passes of losses[:{i}] ran, each releasing its head." if i else ""
+            raise RuntimeError(f"{call}: losses[{i}]: {e}{before}") from e
+
+    def row_of(loss):
         if not extra:
             return torch.autograd.grad(loss, inputs, retain_graph=True, allow_unused=allow_unused,
                                        materialize_grads=materialize_grads)

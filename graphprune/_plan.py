@@ -133,10 +133,9 @@ def _keep_roots(keep, call: str) -> list[tuple[Node, int | None, str]]:
         elif isinstance(k, Node):
             roots.append((k, None, f"{name}: node {k.name()}"))  # a routing node: every output
         else:
-            raise TypeError(
-                f"{call}: {name} must be a tensor, a GradientEdge, a grad_fn node or a sequence of them, "
-                f"got {type(k).__name__}"
-            )
+            what = ("a tensor, a GradientEdge, a grad_fn node or a list or tuple of them" if single else
+                    "a tensor, a GradientEdge or a grad_fn node (keep= takes one list of them)")
+            raise TypeError(f"{call}: {name} must be {what}, got {type(k).__name__}")
     return roots
 
 
@@ -203,6 +202,13 @@ class Plan:
             (protect[i][0] for i in order), through_released=False, supports=_supports(starts)
         )
         self._guard_text = [protect[i][1] for i in order]
+        if roots and self._trunk_walk is None and not _meet(self.reach, self.protected):
+            warn_at_caller(
+                f"{call}: keep= reaches no node of the graph of {what}, so it protects nothing this "
+                "call releases (a tensor of another graph, or one whose graph an earlier prune "
+                "released). Name the tensor a later backward pass starts from, or the intermediate "
+                "it is built on (the trunk's output x)."
+            )
         self.roots = [fn for fn, _ in tops if fn not in self.protected]
         self.handles_by_node, self.report_args = self._measure()
 
@@ -558,6 +564,12 @@ def _classify(nodes, protected: dict) -> _Part:
     if tracked:
         kinds.add(TRACKED)
     return part
+
+
+def _meet(a: dict, b: dict) -> bool:
+    """Whether the walks ``a`` and ``b`` share a node (the smaller one read)."""
+    small, large = (a, b) if len(a) <= len(b) else (b, a)
+    return any(node in large for node in small)
 
 
 def _supports(starts) -> dict:

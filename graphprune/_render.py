@@ -90,6 +90,12 @@ def render(
         ...     print(f.readline().strip())
         digraph graphprune {
     """
+    if not isinstance(path, (str, os.PathLike)):
+        raise TypeError(f"graphprune.render: path must be a file name (.svg, .png, .pdf, .dot), "
+                        f"got {type(path).__name__}")
+    if report is not None and not isinstance(report, PruneReport):
+        raise TypeError("graphprune.render: report must be a PruneReport (what prune_after, backward or "
+                        f"explain returned), got {type(report).__name__}")
     if report is None:  # explain's dry run, without becoming last_report()
         from ._plan import Plan
 

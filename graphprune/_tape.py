@@ -18,6 +18,7 @@ from ._graph import attach_hidden, children
 from ._marks import mark_hooked
 from ._routing import stamp_setitem
 from ._saved import SavedHandle, pack_hook
+from ._timeline import Timeline
 from ._warn import is_module_namespace
 
 __all__ = ["Tape", "track"]
@@ -482,4 +483,7 @@ def track(*, timeline=None, modules=False) -> Tape:
         2
         >>> (x.sqrt().sum()).backward()   # x's graph is still there
     """
+    if timeline is not None and not isinstance(timeline, Timeline):
+        raise TypeError(f"graphprune.track: timeline must be a graphprune.Timeline, "
+                        f"got {type(timeline).__name__}")
     return Tape(timeline, modules)

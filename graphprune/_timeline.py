@@ -171,6 +171,12 @@ def plot_timeline(runs, path: str, title: str | None = None) -> None:
     from ._draw import figure, save
 
     runs = [runs] if isinstance(runs, Timeline) else list(runs)
+    if not runs:
+        raise ValueError("graphprune.plot_timeline: runs is empty; pass a Timeline or a list of them")
+    for i, run in enumerate(runs):
+        if not isinstance(run, Timeline):
+            raise TypeError(f"graphprune.plot_timeline: runs[{i}] must be a graphprune.Timeline, "
+                            f"got {type(run).__name__}")
     marks = [tuple(e.label for e in r.events if e.kind == "mark") for r in runs]
     aligned = bool(marks[0]) and all(m == marks[0] for m in marks)
     fig = figure(8, 4)

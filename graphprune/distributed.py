@@ -101,8 +101,9 @@ def backward_each(model: nn.Module, losses: Sequence[torch.Tensor], grad_tensors
     Raises:
         TypeError: ``model`` is no DDP or FSDP2 module; ``losses`` is no sequence of
             tensors.
-        ValueError: ``losses`` is empty, a loss has no ``grad_fn``, ``grad_tensors``
-            has another length, or DDP was built with ``static_graph=True``.
+        ValueError: ``losses`` is empty, a loss has no ``grad_fn``, is given twice or
+            is no scalar and has no ``grad_tensors`` entry, ``grad_tensors`` has
+            another length, or DDP was built with ``static_graph=True``.
 
     Example (under ``torchrun --nproc_per_node=2``; ``examples/ddp_multitask.py``)::
 
@@ -127,6 +128,7 @@ def backward_each(model: nn.Module, losses: Sequence[torch.Tensor], grad_tensors
     """
     losses = _check_losses(losses)
     grad_tensors = _check_grad_tensors(grad_tensors, len(losses))
+    _check_passes(losses, grad_tensors)
     kind = _kind_of(model)
     if kind == "ddp":
         if getattr(model, "static_graph", False):
@@ -192,6 +194,21 @@ def _check_losses(losses) -> list[torch.Tensor]:
                 + "); there is no backward pass to run from it"
             )
     return list(losses)
+
+
+def _check_passes(losses: list, grad_tensors: list) -> None:
+    """What would fail in a later pass, after the earlier ones released their heads and
+    wrote ``.grad``: a loss of more than one element with no gradient given, a loss
+    given twice (its first pass releases its branch)."""
+    seen: dict[int, int] = {}
+    for i, (loss, gt) in enumerate(zip(losses, grad_tensors)):
+        if gt is None and loss.numel() != 1:
+            raise ValueError(f"{_CALL}: losses[{i}] has shape {tuple(loss.shape)}: a gradient can be made "
+                             "implicitly only for a scalar; pass its entry of grad_tensors")
+        first = seen.setdefault(id(loss), i)
+        if first != i:
+            raise ValueError(f"{_CALL}: losses[{i}] is losses[{first}]: pass it once (its pass releases its "
+                             "branch), with torch.tensor(2.0) as its grad_tensors entry to count it twice")
 
 
 def _check_grad_tensors(grad_tensors, count: int) -> list:

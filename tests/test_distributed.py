@@ -89,6 +89,22 @@ def test_bad_losses_are_named(losses, error, match):
         gpd.backward_each(nn.Linear(2, 2), losses)
 
 
+
+def test_what_a_later_pass_would_refuse_is_refused_before_any_pass():
+    # a non-scalar loss without its gradient, a loss given twice: they failed in the last
+    # pass, after the earlier ones had released their heads and written .grad
+    w = torch.ones(3, requires_grad=True)
+    with gp.track():
+        x = w.exp()
+        la, lb = x.sin().sum(), x.cos()
+    message = r"losses\[1\] has shape \(3,\): a gradient can be made implicitly only for a scalar; pass its"
+    with pytest.raises(ValueError, match=message):
+        gpd.backward_each(nn.Linear(2, 2), [la, lb])
+    with pytest.raises(ValueError, match=r"losses\[1\] is losses\[0\]: pass it once"):
+        gpd.backward_each(nn.Linear(2, 2), [la, la])
+    assert w.grad is None
+    torch.autograd.backward([la, lb.sum()])  # nothing was released
+
 def test_grad_tensors_need_one_entry_per_loss():
     with pytest.raises(ValueError, match=r"grad_tensors must hold one entry per loss \(2\), got 1 item"):
         gpd.backward_each(nn.Linear(2, 2), [_loss(), _loss()], [None])

@@ -457,6 +457,18 @@ def test_grads_each_checks_allow_unused_and_materialize_grads_as_torch_does(accu
         gp.grads_each(ls, inputs, **extra)
 
 
+@pytest.mark.parametrize("accumulate", [False, True])
+def test_grads_each_names_the_loss_whose_pass_found_an_input_unused(accumulate):
+    # torch's error named the input only, and not that the passes before it released their heads
+    w, v, a = (torch.tensor([1.0, 2.0], requires_grad=True) for _ in range(3))
+    with gp.track():
+        x = (w * 2).sin()
+        losses = [(x.exp() * v * a).sum(), (x * x * a).sum()]
+    message = (r"graphprune.grads_each: losses\[1\]: The differentiated Tensor at index 1 appears to not "
+               r"have been used in the graph\. .* The passes of losses\[:1\] ran, each releasing its head\.")
+    with pytest.raises(RuntimeError, match=message):
+        gp.grads_each(losses, [w, v], accumulate=[a] if accumulate else ())
+
 @pytest.mark.parametrize("how", ["grads", "passes"])
 def test_the_trunk_the_last_whole_pass_released_is_named_for_keep_not_blamed_on_a_callable(how):
     # the last pass releases the trunk, built before the call: the error said a head's callable built it

@@ -43,8 +43,12 @@ def test_prune_of_a_leaf_or_of_nothing_is_refused(call, bad, error, match):
 @pytest.mark.parametrize(
     "keep, error, match",
     [
-        ("x", TypeError, r"keep must be a tensor, a GradientEdge, a grad_fn node or a sequence.*got str"),
+        ("x", TypeError, r"keep must be a tensor, a GradientEdge, a grad_fn node or a list or tuple of them, "
+                         r"got str"),
         ([1], TypeError, r"keep\[0\] must be"),
+        # it said "or a sequence of them, got list"
+        ([[1]], TypeError, r"keep\[0\] must be a tensor, a GradientEdge or a grad_fn node \(keep= takes one "
+                           r"list of them\), got list"),
         (torch.ones(3), ValueError, r"keep does not require grad"),
     ],
 )
@@ -172,3 +176,19 @@ def test_grad_names_its_bad_arguments(branch):
         gp.grad(y, w, keep="x")
     with pytest.raises(TypeError, match=r"graphprune.backward: keep\[1\] must be"):
         gp.backward(y, keep=[x, 2])
+
+
+@pytest.mark.parametrize("call, match", [
+    (lambda y, w, p: gp.track(timeline=3), r"graphprune.track: timeline must be a graphprune.Timeline, got"),
+    (lambda y, w, p: gp.render(y, path=None), r"graphprune.render: path must be a file name .* got NoneType"),
+    (lambda y, w, p: gp.render(y, report=3, path=p), r"render: report must be a PruneReport .*int"),
+    (lambda y, w, p: gp.plot_timeline([3], p), r"graphprune.plot_timeline: runs\[0\] must be a graphprune"),
+    (lambda y, w, p: gp.plot_timeline([], p), r"graphprune.plot_timeline: runs is empty"),
+    (lambda y, w, p: gp.grads_each([y], w, accumulate=None),
+     r"graphprune.grads_each: accumulate must be a leaf tensor or a list of them .* got NoneType"),
+])
+def test_bad_arguments_of_the_other_calls_are_named(branch, tmp_path, call, match):
+    # they raised AttributeError, IndexError or an unnamed TypeError from deep inside
+    w, _, y = branch
+    with pytest.raises((TypeError, ValueError), match=match):
+        call(y, w, str(tmp_path / "out.svg"))

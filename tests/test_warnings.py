@@ -146,6 +146,35 @@ def test_keep_made_only_of_leaves_warns_it_protects_nothing():
     assert "keep= names only leaf tensors" in str(caught[0].message)
 
 
+
+@pytest.mark.parametrize("how", ["other_graph", "released_graph"])
+def test_keep_that_reaches_nothing_of_the_graph_warns_it_protects_nothing(how):
+    # a leaf warned; a tensor of another graph (a typo) released the trunk silently
+    w, v = torch.ones(3, requires_grad=True), torch.ones(3, requires_grad=True)
+    with gp.track():
+        x = w.exp()
+        y = x.sin().sum()
+        other = v.exp() if how == "other_graph" else x.cos()
+    if how == "released_graph":
+        other.sum().backward(retain_graph=True)
+        gp.prune_after(other.sum(), keep=[])  # other's graph, x's with it, released
+        with gp.track():
+            y = (w * 2).sin().sum()
+    caught = _record(lambda: gp.backward(y, keep=other))
+    assert len(caught) == 1
+    assert "keep= reaches no node of the graph of" in str(caught[0].message)
+    assert caught[0].filename == __file__
+
+
+def test_keep_that_meets_the_graph_does_not_warn():
+    w, v = torch.ones(3, requires_grad=True), torch.ones(3, requires_grad=True)
+    with gp.track():
+        x = w.exp()
+        y = (x * v.exp()).sin().sum()
+        other = v.exp()
+    assert _record(lambda: gp.explain(y, keep=[x])) == []
+    assert _record(lambda: gp.explain(y, keep=[other, x])) == []
+
 def test_graph_built_under_no_grad_is_an_error_that_says_so():
     w = torch.ones(3, requires_grad=True)
     with torch.no_grad():
