@@ -37,6 +37,10 @@ def _leaf_grads(roots, inputs) -> list[torch.Tensor]:
     return [t.grad for t in leaves if t.grad is not None]
 
 
+_AGAIN = ("the outputs of a create_graph=True pass, for a later pass from them (a loss and a penalty "
+          "on its gradient); keep= names what stays instead")
+
+
 def _pass_and_prune(call: str, outputs, arg: str, keep, retain_graph, create_graph: bool, pass_fn, made):
     """Run ``pass_fn(retain)`` (a pass from ``outputs``; it retains the graph but for
     ``retain_graph=False``, PyTorch's own pass) and free the branch: as the pass goes,
@@ -53,7 +57,11 @@ def _pass_and_prune(call: str, outputs, arg: str, keep, retain_graph, create_gra
         return result, _remember(empty, retain_graph)
     if create_graph and retain_graph is not False:
         result = pass_fn(True)
-        plan = Plan(call, roots, keep, arg=arg, extra=made(result))
+        # keep=None: the outputs too, for the pass a penalty on the gradient goes with
+        # (``(loss + g.pow(2).sum()).backward()``), as torch's create_graph retains them
+        again = [] if keep is not None else [(r.grad_fn, r.output_nr, _AGAIN) for r in tensors] + [
+            (e.node, e.output_nr, _AGAIN) for e in edges]
+        plan = Plan(call, roots, keep, arg=arg, extra=made(result), guards=again)
         plan.release()
     else:  # retain_graph=False is PyTorch's own pass, create_graph or not: it frees what it runs, all of it
         plain = retain_graph is False

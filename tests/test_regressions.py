@@ -662,3 +662,32 @@ def test_gp_grad_with_create_graph_takes_a_dict_of_inputs_as_torch_does():
     got = gp.grad(y1, {"w": w}, create_graph=True)
     assert sorted(got) == ["w"]
     assert_close(torch.autograd.grad(got["w"].pow(2).sum(), w), expected)
+
+
+def _regularised_step(way):
+    """Double backprop: a loss plus a penalty on its gradient, the loss backpropagated
+    again (input-gradient and gradient-norm penalties, R1)."""
+    torch.manual_seed(0)
+    net = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(), torch.nn.Linear(16, 3))
+    inp, target = torch.randn(6, 8, requires_grad=True), torch.randint(0, 3, (6,))
+    with gp.track() if way != "plain" else torch.enable_grad():
+        loss = torch.nn.functional.cross_entropy(net(inp), target)
+    if way == "pruning":
+        with gp.pruning():
+            (g,) = torch.autograd.grad(loss, inp, create_graph=True)
+            (loss + 0.1 * g.pow(2).sum()).backward()
+    elif way == "grad":
+        (g,) = gp.grad(loss, inp, create_graph=True)
+        assert "the outputs of a create_graph=True pass" in str(gp.last_report())
+        gp.backward(loss + 0.1 * g.pow(2).sum())
+    else:
+        (g,) = torch.autograd.grad(loss, inp, create_graph=True)
+        (loss + 0.1 * g.pow(2).sum()).backward()
+    return [p.grad for p in net.parameters()] + [inp.grad]
+
+
+@pytest.mark.parametrize("way", ["pruning", "grad"])
+def test_a_create_graph_pass_keeps_its_loss_for_the_pass_with_the_penalty(way):
+    # the create_graph pass released the loss's own top nodes (NllLossBackward0): the pass
+    # from loss + penalty met ReleasedTensorError where plain PyTorch works
+    assert_close(_regularised_step(way), _regularised_step("plain"))
