@@ -112,6 +112,17 @@ def test_compare_prune_reports_each_checkout(capsys):
     assert all(float(v) > 0 for v in numbers.groups())
 
 
+
+def test_recorder_parts_reports_every_variant(capsys):
+    from benchmarks import recorder_parts
+
+    assert recorder_parts.main(["--rounds", "1", "--tiny"]) == 0
+    out = capsys.readouterr().out
+    rows = {line.split()[0]: line.split()[1:] for line in out.splitlines()[2:]}
+    assert set(rows) == set(recorder_parts.VARIANTS)
+    assert all(float(cells[0]) > 0 for cells in rows.values())
+    assert all(len(cells) == (1 if name in ("plain", "floor") else 2) for name, cells in rows.items())
+
 def test_cuda_adds_the_transformer_steps_on_the_gpu_marked_as_synchronised():
     from benchmarks import overhead
 
