@@ -48,7 +48,7 @@ def _merge(results):
         name = W.config_name(job["config"])
         cfgs.setdefault(name, job["config"])
         key = (name, job["strategy"])
-        m = merged.setdefault(key, dict(times=[], peaks=[], held=[], prune=[], bwd=[], series=None,
+        m = merged.setdefault(key, dict(times=[], peaks=[], held=[], prune=[], bwd=[], shares=[], series=None,
                                         na=None, error=None, graph=None, floor_head=None))
         if r.get("not_applicable"):
             m["na"] = r["not_applicable"]
@@ -64,6 +64,7 @@ def _merge(results):
             m["prune"].append(r["prune_call_s"])
         if r.get("backward_call_s") is not None:
             m["bwd"].append(r["backward_call_s"])
+        m["shares"] += r.get("prune_shares") or []
         if m["series"] is None:
             m["series"] = r["series"]
         if r.get("graph"):
@@ -255,17 +256,19 @@ def _targets(cfgs, merged, scaling, overhead_rows):
             continue
         r = _ratio(row["prune_s"], row["backward_s"])
         L.append(f"| prune_after <= {PRUNE_TOL:.0%} of the backward it follows (10k nodes) | "
-                 f"scaling/{row['shape']} ({row['nodes']} nodes, 64-float tensors) | gp_prune | "
+                 f"scaling/{row['shape']} ({row['nodes']} nodes, {_SCALING_TENSORS[row['shape']]}) | "
+                 "gp_prune | "
                  f"{_f(r * 100 if r is not None else None, '{:.1f}')}% "
                  f"({row['prune_s'] * 1e3:.1f} ms vs {row['backward_s'] * 1e3:.1f} ms) | "
                  f"{_verdict(r is not None and r <= PRUNE_TOL)} |")
     for name in cfgs:
         m = merged.get((name, "gp_prune"))
-        if m and m["prune"] and m["bwd"]:
+        if m and m["shares"]:  # paired: each prune over the backward it follows, their median
+            share = statistics.median(m["shares"])
             p, b = statistics.median(m["prune"]), statistics.median(m["bwd"])
             L.append(f"| prune_after <= {PRUNE_TOL:.0%} of the backward it follows (real workload) | "
-                     f"{name} | gp_prune | {p / b * 100:.1f}% ({p * 1e3:.2f} ms vs {b * 1e3:.1f} ms) | "
-                     f"{_verdict(p / b <= PRUNE_TOL)} |")
+                     f"{name} | gp_prune | {share * 100:.1f}% paired ({p * 1e3:.2f} ms vs {b * 1e3:.1f} ms, "
+                     f"medians) | {_verdict(share <= PRUNE_TOL)} |")
     for r in (r for r in overhead_rows if r["ok"] is not None):  # rows with a target
         L.append(f"| {r['measure']}: {r['target']} | {r['workload']} | {r['strategy']} | {r['value']} | "
                  f"{_verdict(r['ok'])} |")
@@ -429,30 +432,39 @@ def _verdict_lines(name, merged, floor):
     return ["".join(out)]
 
 
+_SCALING_TENSORS = {"chain": "64-float tensors", "fanout": "64-float tensors",
+                    "transformer": "d_model 16, 2 x 4 tokens"}
+
+
 def _scaling_table(scaling):
     if not scaling:
         return []
     L = ["## Scaling: prune_after and explain cost against graph size", ""]
     L.append("Graphs of small tensors (64 floats; the transformer: d_model 16), so bookkeeping, not "
-             "arithmetic, dominates: the worst case for graphprune's relative cost. `explain` runs "
-             "after the retained backward, then `prune_after(y, keep=x)`. Each row is the median of "
-             "the runs after a warm-up one (a fresh graph each; 1k nodes: 7, 10k: 5, 100k: 1 at full "
-             "size), every column on its own. The floor walk (`benchmarks.scaling.floor_walk`, after the "
-             "prune, so on wrappers already made): a queue over `next_functions` that reads each node's "
+             "arithmetic, dominates: the worst case for graphprune's relative cost. `prune_after(y, "
+             "keep=x)` runs alone after the retained backward, as a step runs it; on a second graph "
+             "`explain(y, keep=x)` runs after its backward, then `prune_after` again (*after explain*: "
+             "explain left it the trunk's walk and measure, so it reads the head only). Each row is the "
+             "median of the runs after a warm-up one (fresh graphs each; 1k nodes: 7, 10k: 5, 100k: 1 at "
+             "full size), every column on its own. The floor walk (`benchmarks.scaling.floor_walk`, after "
+             "the prune, so on wrappers already made): a queue over `next_functions` that reads each node's "
              "`_raw_saved_*` objects and nothing else, the least a prune that reads the graph when asked "
              "pays on this machine.")
     L.append("")
-    L.append("| graph | nodes | forward ms (plain / tracked) | backward ms | explain ms (µs/node) | "
-             "prune_after ms (µs/node) | prune / backward | floor walk ms (µs/node) |")
-    L.append("|---|---|---|---|---|---|---|---|")
+    L.append("| graph | nodes | forward ms (plain / tracked) | backward ms | prune_after ms (µs/node) | "
+             "prune / backward | explain ms (µs/node) | prune_after after explain ms (µs/node) | "
+             "floor walk ms (µs/node) |")
+    L.append("|---|---|---|---|---|---|---|---|---|")
+
+    def ms(r, key):
+        return f"{r[key] * 1e3:.1f} ({r[key] / r['nodes'] * 1e6:.2f})" if key in r else "—"
+
     for r in scaling:
-        n = r["nodes"]
-        floor = f"{r['floor_s'] * 1e3:.1f} ({r['floor_s'] / n * 1e6:.2f})" if "floor_s" in r else "—"
-        L.append(f"| {r['shape']} | {n} | {r['fwd_plain_s'] * 1e3:.1f} / {r['fwd_tracked_s'] * 1e3:.1f} | "
-                 f"{r['backward_s'] * 1e3:.1f} | "
-                 f"{r['explain_s'] * 1e3:.1f} ({r['explain_s'] / n * 1e6:.2f}) | "
-                 f"{r['prune_s'] * 1e3:.1f} ({r['prune_s'] / n * 1e6:.2f}) | "
-                 f"{r['prune_s'] / r['backward_s'] * 100:.0f}% | {floor} |")
+        share = r["prune_s"] / r["backward_s"] * 100
+        L.append(f"| {r['shape']} | {r['nodes']} | {r['fwd_plain_s'] * 1e3:.1f} / "
+                 f"{r['fwd_tracked_s'] * 1e3:.1f} | {r['backward_s'] * 1e3:.1f} | {ms(r, 'prune_s')} | "
+                 f"{share:.0f}% | {ms(r, 'explain_s')} | {ms(r, 'prune_after_explain_s')} | "
+                 f"{ms(r, 'floor_s')} |")
     L.append("")
     by = collections.defaultdict(list)
     for r in scaling:

@@ -228,8 +228,11 @@ def run_job(job: dict) -> dict:
             peaks.append(peak)
             series = points
             held_ends.append(held_end)
-            prune_s += [b[3] - a[3] for a, b in zip(points, points[1:]) if b[0].startswith("prune")]
-            bwd_s += [b[3] - a[3] for a, b in zip(points, points[1:]) if b[0].startswith("bwd")]
+            spans = [(b[0], b[3] - a[3]) for a, b in zip(points, points[1:])]
+            for (before, bwd), (label, prune) in zip(spans, spans[1:]):  # each prune, the backward it follows
+                if label.startswith("prune") and before.startswith("bwd"):
+                    prune_s.append(prune)
+                    bwd_s.append(bwd)
     except W.NotApplicable as e:
         return dict(job=job, ok=False, not_applicable=str(e))
     result.update(
@@ -240,7 +243,8 @@ def run_job(job: dict) -> dict:
         series=series,
         held_end_mib=statistics.median(held_ends),
         prune_call_s=statistics.median(prune_s) if prune_s else None,
-        backward_call_s=statistics.median(bwd_s) if bwd_s else None,
+        backward_call_s=statistics.median(bwd_s) if bwd_s else None,  # of the backwards a prune follows
+        prune_shares=[p / b for p, b in zip(prune_s, bwd_s)],  # each prune / the backward it follows
         meter=meter.name,
         peak_resettable=meter.can_reset,
     )
