@@ -7,7 +7,8 @@ call returned), so the picture says exactly what that prune does: its
 with the reason in the legend. What the report leaves out is read from the node:
 built outside ``track()`` or saved under other hooks, released by an earlier call, on
 ``y``'s graph but off its gradient's route (a stacked loss's other entries: nothing
-reaches them but zeros), or in the branch with nothing saved (drawn as released).
+reaches them but zeros), in the branch with nothing saved (drawn as released), or
+saving only boolean masks, which no prune releases (NOTE [ Masks stay ] in ``_zero.py``).
 
 A picture of thousands of nodes stays readable: runs of single-parent, single-child
 nodes of one colour (and one module) collapse into one box with a count, and
@@ -22,11 +23,12 @@ from collections.abc import Sequence
 
 import networkx as nx
 import torch
-from torch.autograd.graph import Node
+from torch.autograd.graph import GradientEdge, Node
 
 from ._graph import FOREIGN, UNTRACKED, _is_router, children, name, reach, saved
 from ._marks import RELEASED
 from ._modules import module_of, parameter_names
+from ._plan import as_outputs, listed
 from ._report import PruneReport, format_bytes, unique_bytes
 from ._routing import ALL, widen
 
@@ -39,6 +41,7 @@ STATES = {
     "foreign": ("#f5b971", "saved under other hooks (checkpoint, save_on_cpu): left to them"),
     "untracked": ("#bdbdbd", "built outside track(): PyTorch holds its saved tensors"),
     "offroute": ("#ffffff", "off y's gradient route (only zeros reach it): left alone"),
+    "masks": ("#d4cce6", "saved only boolean masks, which no prune releases: kept"),
 }
 KEEP_COLOURS = ("#7fb3e0", "#8fd19e", "#b6a6e0", "#f2cf72", "#8fd6d0", "#e0a6c8")
 AUTO_COLLAPSE = 60  # nodes; above this, chains collapse into boxes
@@ -96,6 +99,7 @@ def render(
     if report is not None and not isinstance(report, PruneReport):
         raise TypeError("graphprune.render: report must be a PruneReport (what prune_after, backward or "
                         f"explain returned), got {type(report).__name__}")
+    y = listed(y)  # a generator: read by the plan, then by the drawing
     if report is None:  # explain's dry run, without becoming last_report()
         from ._plan import Plan
 
@@ -119,21 +123,29 @@ def model(y, keep, report: PruneReport) -> nx.DiGraph:
     (key ``id``) with ``op``, ``state``, ``reason`` (the ``KeptReason``'s index for
     ``"keep"``: the rank of its ``KeptReason`` among those drawn, listed in
     ``graph["kept"]``), ``bytes``, ``module``, ``mark`` (``"y"``, ``"keep"``) and ``detail``."""
-    roots = _tensors(y)
-    marks = {id(t.grad_fn): "y" if len(roots) == 1 else f"y[{i}]" for i, t in enumerate(roots)}
-    for i, k in enumerate(_tensors(keep, nodes=True)):
-        fn = k if isinstance(k, Node) else k.grad_fn
+    tensors, edges = as_outputs(y, "graphprune.render", "y")
+    roots = [(t.grad_fn, t.output_nr) for t in tensors] + [(e.node, e.output_nr) for e in edges]
+    fns = [fn for fn, _ in roots]
+    marks = {id(fn): "y" if len(roots) == 1 else f"y[{i}]" for i, fn in enumerate(fns)}
+    single = isinstance(keep, GradientEdge) or not isinstance(keep, (list, tuple))
+    for i, k in enumerate(() if keep is None else [keep] if single else keep):
+        if isinstance(k, GradientEdge):
+            k = k.node
+        fn = k if isinstance(k, Node) else getattr(k, "grad_fn", None)
         if fn is not None:
-            marks.setdefault(id(fn), "keep" if not isinstance(keep, (list, tuple)) else f"keep[{i}]")
+            marks.setdefault(id(fn), "keep" if single else f"keep[{i}]")
     reason_of = {nid: i for i, r in enumerate(report.kept) for nid in r.node_ids}
-    routed = {id(n) for n in _routed([t.grad_fn for t in roots], roots)}
+    routed = {id(n) for n in _routed(roots)}
     params = parameter_names()
     g = nx.DiGraph()
-    order = _walk([t.grad_fn for t in roots])
+    order = _walk(fns)
     for node in order:
         handles, kind = saved(node)
         live = [h for h in handles if h.tensor is not None]
         state, reason = _state(node, kind, report, reason_of, routed)
+        if state == "release" and live and id(node) not in report.released_ids and all(
+                h.tensor.dtype is torch.bool for h in live):
+            state = "masks"  # kept by every prune: NOTE [ Masks stay ] in _zero.py
         g.add_node(id(node), op=name(node), state=state, reason=reason, bytes=unique_bytes(live),
                    handles=live, module=module_of(node), mark=marks.get(id(node)),
                    detail=_detail(node, params))
@@ -145,13 +157,6 @@ def model(y, keep, report: PruneReport) -> nx.DiGraph:
             d["reason"] = rank[d["reason"]]
     g.graph["kept"] = [report.kept[i] for i in used]
     return g
-
-
-def _tensors(value, nodes: bool = False) -> list:
-    if value is None:
-        return []
-    items = list(value) if isinstance(value, (list, tuple)) else [value]
-    return [v for v in items if isinstance(v, torch.Tensor) or (nodes and isinstance(v, Node))]
 
 
 def _walk(roots) -> list:
@@ -186,15 +191,15 @@ def _state(node, kind: str, report: PruneReport, reason_of: dict, routed: set) -
     return "release", None  # in the branch, with nothing saved
 
 
-def _routed(fns: list, roots: list) -> dict:
-    """The nodes a non-zero gradient from ``roots`` can reach, as the prune walks them
-    (NOTE [ Gradient routing ] in ``_routing.py``): the report names only those of them
-    that saved something or are kept."""
+def _routed(roots: list) -> dict:
+    """The nodes a non-zero gradient from ``roots`` (``(node, output number)``) can
+    reach, as the prune walks them (NOTE [ Gradient routing ] in ``_routing.py``): the
+    report names only those of them that saved something or are kept."""
     supports: dict = {}
-    for fn, t in zip(fns, roots):
+    for fn, nr in roots:
         if _is_router(fn):
-            widen(supports.setdefault(fn, {}), t.output_nr, ALL)
-    return reach(fns, supports=supports)
+            widen(supports.setdefault(fn, {}), nr, ALL)
+    return reach([fn for fn, _ in roots], supports=supports)
 
 
 def _detail(node, params: dict) -> str:

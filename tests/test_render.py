@@ -109,7 +109,8 @@ def test_states_released_untracked_offroute_foreign(tmp_path):
     ops = {a["label"].splitlines()[0]: a["class"] for a in nodes.values()}
     assert ops["SinBackward0"] == "released" and ops["LogBackward0"] == "untracked"
     assert ops["SigmoidBackward0"] == "offroute" and ops["TanhBackward0"] == "release"
-    assert {a["fillcolor"] for a in legend.values()} == {*(STATES[s][0] for s in STATES), KEEP0, "white"}
+    drawn = {STATES[s][0] for s in STATES if s != "masks"}  # no node here saved only masks
+    assert {a["fillcolor"] for a in legend.values()} == {*drawn, KEEP0, "white"}
     kept = [a for a in legend.values() if a["label"].startswith("kept")]
     assert len(kept) == 1  # untracked and foreign nodes have colours of their own
 
@@ -206,3 +207,41 @@ def test_render_a_calls_report(tmp_path):
     nodes, _, legend = parse_dot(path)
     assert sum(a["class"] == "release" for a in nodes.values()) == 3
     assert "released by this call" in [a["label"] for a in legend.values()]
+
+
+@pytest.mark.parametrize("how", ["edge", "values", "generator"])
+def test_render_draws_the_outputs_explain_takes(tmp_path, how):
+    # a GradientEdge, dict.values() or a generator drew an empty graph (.svg: a crash)
+    w = torch.tensor([1.0, 2.0, 3.0], requires_grad=True)
+    with gp.track():
+        x = w + 10
+        y1 = (x * x).sum()
+        y2 = x.cos().sum()
+    outputs = {"a": y1, "b": y2}
+    y = {"edge": lambda: torch.autograd.graph.get_gradient_edge(y1), "values": outputs.values,
+         "generator": lambda: (t for t in outputs.values())}[how]()
+    path = tmp_path / "graph.dot"
+    report = gp.render(y, keep=x, path=str(path))
+    nodes, _, _ = parse_dot(path)
+    drawn = sum(a["class"] == "release" for a in nodes.values())
+    assert report.released_node_count == (1 if how == "edge" else 2)
+    assert drawn == report.released_node_count + (1 if how == "edge" else 2)  # SumBackward0s save nothing
+    gp.render(y if how == "edge" else list(outputs.values()), keep=x, path=str(tmp_path / "graph.svg"))
+
+
+def test_a_node_that_saved_only_a_mask_is_drawn_kept(tmp_path):
+    # drawn "released by this call", though every prune keeps boolean masks
+    w = torch.randn(6, requires_grad=True)
+    with gp.track():
+        x = w.exp()
+        y = torch.where(x > 1.5, x, torch.zeros(())).sum()
+    path = tmp_path / "graph.dot"
+    gp.render(y, keep=x, path=str(path))
+    nodes, _, legend = parse_dot(path)
+    states = {a["label"].split("\n")[0]: a["class"] for a in nodes.values()}
+    assert states["WhereBackward0"] == "masks"
+    assert any("boolean masks" in a["label"] for a in legend.values())
+    y.backward(retain_graph=True)
+    gp.prune_after(y, keep=x)
+    node = y.grad_fn.next_functions[0][0]
+    assert node._raw_saved_condition.data.tensor is not None  # kept, as drawn
