@@ -1,5 +1,7 @@
 """``python -m graphprune explain script.py [args]``: run a script with tracking on and
-say, for each ``prune_after`` / ``backward`` / ``grad`` call, what it freed and kept.
+say, for each ``prune_after`` / ``backward`` / ``grad`` call, what it freed and kept (the
+passes of ``backward_each`` / ``grads_each`` and the calls ``pruning()`` routes are not
+shown: they call graphprune's passes from inside the library).
 
 NOTE [ How the CLI turns tracking on ]
 A script that opens its own ``gp.track()`` says where its forward passes are, and
@@ -180,5 +182,6 @@ class Session:
             gp.plot_timeline([self.timeline], path)
             text += f"; memory timeline: {path}"
         elif not self.reports:
-            text += " (the script made no prune_after/backward/grad call)"
+            text += (" (the script made no prune_after/backward/grad call; the passes of "
+                     "backward_each/grads_each and the calls pruning() routes are not shown)")
         print(text, flush=True)
