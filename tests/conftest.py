@@ -36,6 +36,21 @@ def images():
     return torch.randn(4, 3, 8, 8, generator=g), torch.randint(0, 5, (4,), generator=g)
 
 
+class Square(torch.autograd.Function):
+    """``a * a`` as a custom ``Function``: its node saves ``a`` (``_raw_saved_tensors``),
+    and ``apply`` is no torch call the recorder sees."""
+
+    @staticmethod
+    def forward(ctx, a):
+        ctx.save_for_backward(a)
+        return a * a
+
+    @staticmethod
+    def backward(ctx, g):
+        (a,) = ctx.saved_tensors
+        return 2 * ctx.saved_tensors[0] * g  # reads its saved tensors twice, as code does
+
+
 def run_in_threads(target, count: int = 2) -> list[BaseException]:
     """Run ``target(i)`` in ``count`` threads at once; return what they raised."""
     errors: list[BaseException] = []

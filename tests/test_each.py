@@ -13,6 +13,8 @@ from torch.testing import assert_close
 import graphprune as gp
 from graphprune._graph import saved, walk
 
+from conftest import Square
+
 T = 3
 
 
@@ -588,21 +590,6 @@ def test_a_later_head_callable_that_registers_no_hook_runs_the_trunk_once():
 
 
 
-class _Squared(torch.autograd.Function):
-    """A custom Function at the cut: its heads' passes capture the cut's gradient and
-    accumulate their parameters through graphprune's own leaf hooks."""
-
-    @staticmethod
-    def forward(ctx, t):
-        ctx.save_for_backward(t)
-        return t * t
-
-    @staticmethod
-    def backward(ctx, g):
-        (t,) = ctx.saved_tensors
-        return 2 * t * g
-
-
 @pytest.mark.parametrize("outer", [False, True], ids=["alone", "inside_track"])
 def test_graphprunes_own_leaf_hooks_are_not_a_later_heads_hook(outer):
     """Inside the user's track(), the hooks graphprune registers on a head's leaves (to
@@ -614,7 +601,7 @@ def test_graphprunes_own_leaf_hooks_are_not_a_later_heads_hook(outer):
         a = [torch.randn(3, requires_grad=True) for _ in range(3)]
         with gp.track():
             z = (torch.randn(2, 3) @ w).tanh()
-            x = _Squared.apply(z)
+            x = Square.apply(z)  # a custom Function at the cut: its heads' passes capture there
         trunk_runs = []
         z.grad_fn.register_prehook(lambda g: trunk_runs.append(1))
         heads = [lambda i=i: (x * a[i]).sin().sum() for i in range(3)]

@@ -12,19 +12,7 @@ from torch.testing import assert_close
 
 import graphprune as gp
 
-from conftest import run_in_threads
-
-
-class Square(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, a):
-        ctx.save_for_backward(a)
-        return a * a
-
-    @staticmethod
-    def backward(ctx, g):
-        (a,) = ctx.saved_tensors
-        return 2 * ctx.saved_tensors[0] * g  # reads its saved tensors twice, as code does
+from conftest import Square, run_in_threads
 
 
 def test_pruned_branch_without_saved_tensors_does_not_cut_protection():
