@@ -40,7 +40,7 @@ import contextlib
 import dataclasses
 import functools
 import itertools
-from collections.abc import Iterable, Mapping
+from collections.abc import Mapping
 from typing import Callable
 
 import torch
@@ -234,13 +234,13 @@ def grads_each(losses, inputs, *, keep=None, allow_unused: bool | None = None,
               list(inputs.values()) if keys is not None else list(inputs))
     if not isinstance(inputs, (torch.Tensor, list, tuple, dict)):
         inputs = wanted  # a generator (model.parameters()): read once, by every pass
-    if isinstance(accumulate, torch.Tensor):
-        extra = [accumulate]
-    elif isinstance(accumulate, Iterable) and not isinstance(accumulate, (str, Mapping)):
-        extra = list(accumulate)  # a generator (head.parameters()) too
-    else:
+    extra = listed(accumulate)  # a generator (head.parameters()) too
+    if isinstance(extra, torch.Tensor):
+        extra = [extra]
+    elif not isinstance(extra, (list, tuple)):
         raise TypeError(f"{call}: accumulate must be a leaf tensor or a list of them (the heads' "
                         f"parameters), got {type(accumulate).__name__}")
+    extra = list(extra)
     returned = {id(t.node.variable if isinstance(t, GradientEdge) and is_accumulator(t.node) else t)
                 for t in wanted}  # a leaf's edge is the leaf
     for i, t in enumerate(extra):
@@ -524,8 +524,8 @@ def _items(losses, call: str) -> list:
         else:
             raise ValueError(f"{call}: losses must be a 1-d tensor of losses, got shape "
                              f"{tuple(losses.shape)}")
-    elif isinstance(losses, (list, tuple)) or (losses := listed(losses)).__class__ is list:
-        items = list(losses)  # any iterable, read once (a generator, dict.values())
+    elif isinstance(losses := listed(losses), (list, tuple)):  # any iterable, read once (dict.values())
+        items = list(losses)
     else:
         hint = " (its .values()?)" if isinstance(losses, Mapping) else ""
         raise TypeError(f"{call}: losses must be a list of losses, a 1-d tensor of them, or a list of "
