@@ -82,8 +82,7 @@ _outputs: list[Output] = []
 _weakrefcount = weakref.getweakrefcount
 _limit = [1 << 16]
 _compacting = threading.Lock()
-_library_code: dict[int, bool] = {}  # id of a code object -> inside a library; NOTE [ Code objects as keys ]
-_pinned_code: list = []  # the code objects _library_code knows: their ids stay theirs
+_library_files: dict[str, bool] = {}  # a code object's file -> inside a library
 
 # NOTE [ Code objects as keys ]
 # Hashing a code object is no pointer hash: CPython 3.11 rebuilds its bytecode and
@@ -92,15 +91,18 @@ _pinned_code: list = []  # the code objects _library_code knows: their ids stay 
 # machine), and the recorder looks up one or more frames' code per torch call. So
 # the tables that run per call are keyed by ``id(code)``, and hold the code objects
 # they have seen, so that an id is never reused for another code object while its
-# entry lives.
+# entry lives. Whether a frame is a library's is a property of its file alone: that
+# table is keyed by ``co_filename``, a string whose hash is cached (one attribute
+# read and no call per frame of the walk ``note_one`` makes up the module stack).
 
 
-def note(tensors, ours: bool = True) -> None:
+def note(tensors, ours: bool = True, frame=None) -> None:
     """Note ``tensors`` as live outputs; ``ours=False`` for tensors made before any
-    tape opened, noted only so that they are not looked at again."""
+    tape opened, noted only so that they are not looked at again. ``frame``: the
+    torch call's caller, where the recorder has it (``note_one``)."""
     for t in tensors:
         if ours:
-            note_one(t)
+            note_one(t, frame)
         elif not weakref.getweakrefcount(t) or output_of(t) is None:
             ref = Output(t)
             ref.code, ref.lasti = None, -1
@@ -119,12 +121,11 @@ def note_one(t: torch.Tensor, frame=None) -> None:
             frame = sys._getframe(2)  # this, the recorder, then the caller of the torch call
         except ValueError:
             frame = None
+    library = _library_files.get  # NOTE [ Code objects as keys ]
     while frame is not None:
         code = frame.f_code
-        inside = _library_code.get(id(code))  # NOTE [ Code objects as keys ]
-        if inside is None:
-            inside = _inside_library(code)
-        if not inside:
+        inside = library(code.co_filename)
+        if not inside and (inside is not None or not _inside_library(code)):
             break
         frame = frame.f_back
     ref = Output(t)
@@ -140,13 +141,12 @@ def note_one(t: torch.Tensor, frame=None) -> None:
 def _inside_library(code) -> bool:
     """Whether ``code`` belongs to torch, graphprune, an installed package or the
     standard library: a creation site is the user's own line, not one of those."""
-    inside = _library_code.get(id(code))
+    file = code.co_filename
+    inside = _library_files.get(file)
     if inside is None:
-        if len(_pinned_code) > 65536:  # generated code (torch.fx, exec) makes ever new code objects
-            _library_code.clear()
-            _pinned_code.clear()
-        _pinned_code.append(code)
-        inside = _library_code[id(code)] = code.co_filename.startswith(_LIBRARY_DIRS)
+        if len(_library_files) > 65536:  # generated code (torch.fx, exec) makes ever new file names
+            _library_files.clear()
+        inside = _library_files[file] = file.startswith(_LIBRARY_DIRS)
     return inside
 
 

@@ -40,6 +40,8 @@ _Tensor = torch.Tensor
 _NO_KWARGS: dict = {}
 _Size = torch.Size
 _TENSOR_OR_SEQUENCE = (_Tensor, tuple, list)  # a tuple's subclass too: torch.return_types.max
+# tensor types whose attribute reads call no __torch_function__ of their own
+_PLAIN = frozenset({_Tensor, torch.nn.Parameter})
 _REGISTERS_A_HOOK = "registers a hook"  # truthy: _inplace_funcs' rare branch
 _ADDS_A_HOOK = "adds a hook"  # a tensor hook of another kind: nothing to mark
 # func -> whether it modifies its first argument in place, or _REGISTERS_A_HOOK, _ADDS_A_HOOK
@@ -121,7 +123,7 @@ class _OutputRecorder(TorchFunctionMode):
                 return out  # grad_fn raises, and plain PyTorch would never have read it
             if _anomaly_enabled():
                 _drop_own_frames(out)
-        elif len(args) == 1 and type(a := args[0]) is _Tensor and (
+        elif len(args) == 1 and type(a := args[0]) in _PLAIN and (
                 type(out) is _Size or not isinstance(out, _TENSOR_OR_SEQUENCE)):  # a plain
             try:  # tensor's property, size or dim: no tensor made, no subclass to keep out
                 if not getweakrefcount(a) and a.requires_grad and not a.is_leaf:
@@ -129,7 +131,7 @@ class _OutputRecorder(TorchFunctionMode):
             except RuntimeError:  # a view made under no_grad, modified in place
                 pass
         else:
-            _note_safely(out, args)
+            _note_safely(out, args, frame)
         return out
 
 
@@ -198,16 +200,17 @@ def _is_view(t: torch.Tensor) -> bool:
         return t._is_view()
 
 
-def _note_safely(out, args) -> None:
+def _note_safely(out, args, frame=None) -> None:
     """Note a call's tensors without changing what the program sees: a tensor
     subclass's own ``__torch_function__`` is not called for graphprune's reads, and
-    anomaly mode's tracebacks do not show graphprune's frame."""
+    anomaly mode's tracebacks do not show graphprune's frame. ``frame``: the torch
+    call's caller, where the recorder has it."""
     try:
         if type(out) is _Tensor:
-            _note_call(out, args)
+            _note_call(out, args, frame)
         else:
             with _NoSubclassDispatch():
-                _note_call(out, args)
+                _note_call(out, args, frame)
     except RuntimeError:  # a view made under no_grad, modified in place: its
         return  # grad_fn raises, and plain PyTorch would never have read it
     if _anomaly_enabled():
@@ -224,14 +227,14 @@ def _drop_own_frames(out) -> None:
                 fn.metadata["traceback_"] = [f for f in stack if _OWN_FILE not in f and _CALL_NAME not in f]
 
 
-def _note_call(out, args) -> None:
+def _note_call(out, args, frame) -> None:
     if isinstance(out, _Tensor):
         if not out.is_leaf:
-            _outputs.note((out,))
+            _note_one(out, frame)
     elif isinstance(out, (tuple, list)):
-        made = [t for t in out if isinstance(t, _Tensor) and not t.is_leaf]
-        if made:
-            _outputs.note(made)
+        for t in out:
+            if isinstance(t, _Tensor) and not t.is_leaf:
+                _note_one(t, frame)
     for a in args:
         if isinstance(a, _Tensor):
             if not getweakrefcount(a) and a.requires_grad and not a.is_leaf:

@@ -204,3 +204,28 @@ def test_names_are_not_looked_for_in_long_containers():
     log = [torch.zeros(()) for _ in range(_SCAN_AT_MOST)] + [torch.ones(())]
     named, unnamed = name_in_frames(short[1]), name_in_frames(log[-1])  # not in an assert: pytest's
     assert (named, unnamed) == ("short[1]", None)  # rewriting binds what it evaluates to locals
+
+
+def _line() -> int:
+    import sys
+
+    return sys._getframe(1).f_lineno
+
+
+def test_a_tensor_a_module_stack_made_is_filed_at_the_users_line():
+    # the creation site is the user's line however deep the module stack below it:
+    # a tensor (Linear in a Sequential), a Parameter's attribute read on the way, and
+    # one of a tuple (MultiheadAttention's output, through F.multi_head_attention_forward)
+    torch.manual_seed(0)
+    mlp = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.ReLU())
+    attention = torch.nn.MultiheadAttention(8, 2, batch_first=True)
+    x = torch.randn(2, 3, 8)
+    with gp.track():
+        h = mlp(x); h_line = _line()  # noqa: E702
+        a, _ = attention(h, h, h); a_line = _line()  # noqa: E702
+        assert mlp[0].weight.dtype is torch.float32
+        y = a.sum()
+    y.backward(retain_graph=True)
+    for kept, line in ((h, h_line), (a, a_line)):
+        (reason,) = gp.explain(y, keep=kept).kept
+        assert reason.reason.endswith(f"created at test_reports.py:{line}"), reason.reason
