@@ -1,7 +1,7 @@
 """``python -m graphprune explain script.py [args]``: run a script with tracking on and
-say, for each ``prune_after`` / ``backward`` / ``grad`` call, what it freed and kept (the
-passes of ``backward_each`` / ``grads_each`` and the calls ``pruning()`` routes are not
-shown: they call graphprune's passes from inside the library).
+say, for each ``prune_after`` / ``backward`` / ``grad`` call, each pass of
+``backward_each`` / ``grads_each`` and each call a ``pruning()`` block routes, what it
+freed and kept.
 
 NOTE [ How the CLI turns tracking on ]
 A script that opens its own ``gp.track()`` says where its forward passes are, and
@@ -10,9 +10,12 @@ so its own tapes are left as they are: wrapping the whole run in one more tape w
 make tensors it built outside its tapes protect graphs they do not protect in a plain
 run. A script with no ``track(`` call in its source runs inside one tape, from its first
 line to its last. ``--track all`` / ``--track script`` force either. Either way the CLI
-replaces ``graphprune.prune_after``, ``backward``, ``grad`` (and, for ``--timeline`` or
-``--modules``, ``track``) in the graphprune module for the run, the way a profiler
-does: a script that calls ``gp.backward(...)`` gets the reporting version.
+replaces ``graphprune.prune_after``, ``backward``, ``grad``, ``backward_each``,
+``grads_each``, ``pruning`` (and, for ``--svg`` or ``--modules``, ``track``) in the
+graphprune module for the run, the way a profiler does: a script that calls
+``gp.backward(...)`` gets the reporting version. A per-loss helper's passes are shown
+when it returns, one report each, at the helper's line; a routed call as it ends, at
+the line that made it (a library's own, for a library's loop).
 """
 
 from __future__ import annotations
@@ -25,14 +28,25 @@ import os
 import runpy
 import sys
 
+import torch
+
 import graphprune as gp
 
+from . import _pruning
+from ._plan import listed
+from ._prune import capturing
 from ._report import PruneReport, format_bytes
 
 __all__ = ["main"]
 
 _CALLS = ("prune_after", "backward", "grad")
-_FIRST = {"prune_after": "y", "backward": "tensors", "grad": "outputs"}  # the output argument's name
+_EACH = ("backward_each", "grads_each")
+_FIRST = {"prune_after": "y", "backward": "tensors", "grad": "outputs",  # the output argument's name
+          "backward_each": "losses", "grads_each": "losses"}
+_ROUTED_OUTPUT = {"Tensor.backward": "self", "torch.autograd.backward": "tensors",
+                  "torch.autograd.grad": "outputs"}
+_OUTSIDE = (os.path.dirname(os.path.abspath(gp.__file__)) + os.sep,
+            os.path.dirname(os.path.abspath(torch.__file__)) + os.sep)
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -44,10 +58,11 @@ def _parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", metavar="command")
     ex = sub.add_parser(
         "explain",
-        help="run a script with tracking on; print each prune_after/backward/grad call's report",
+        help="run a script with tracking on; print the report of each graphprune call that frees",
         description=(
             "Run SCRIPT (as `python SCRIPT ARGS` would, __name__ == '__main__') and print, for "
-            "each graphprune.prune_after / backward / grad call, the user's file:line and its "
+            "each graphprune.prune_after / backward / grad call, each pass of backward_each / "
+            "grads_each and each call a pruning() block routes, the file:line and its "
             "report: what was freed and what was kept, and why. A script that calls "
             "gp.track() itself keeps its own tapes; one that does not runs inside one tape "
             "(--track)."
@@ -130,9 +145,12 @@ class Session:
 
     @contextlib.contextmanager
     def patched(self):
-        originals = {name: getattr(gp, name) for name in (*_CALLS, "track")}
+        originals = {name: getattr(gp, name) for name in (*_CALLS, *_EACH, "pruning", "track")}
         for name in _CALLS:
             setattr(gp, name, self._reporting(name, originals[name]))
+        for name in _EACH:
+            setattr(gp, name, self._reporting_each(name, originals[name]))
+        gp.pruning = self._pruning(originals["pruning"])
         if self.timeline is not None or self.modules:
             gp.track = self._track(originals["track"])
         try:
@@ -161,16 +179,70 @@ class Session:
 
         return reporting
 
-    def _show(self, name: str, where: str, y, report: PruneReport) -> None:
+    def _reporting_each(self, name: str, call):
+        """``backward_each`` / ``grads_each``, showing each pass's report when it returns."""
+        @functools.wraps(call)
+        def reporting(*args, **kwargs):
+            frame = sys._getframe(1)
+            where = f"{os.path.basename(frame.f_code.co_filename)}:{frame.f_lineno}"
+            given = args[0] if args else kwargs.get(_FIRST[name])
+            losses = listed(given)  # a generator: read here, once, for the call and the pictures
+            if losses is not given:
+                args, kwargs = ((losses, *args[1:]), kwargs) if args else (args, {**kwargs, "losses": losses})
+            with capturing() as made:
+                result = call(*args, **kwargs)
+            # backward_each returns its reports; grads_each's are the ones its passes made
+            reports = result if name == "backward_each" else [
+                r for r in made if r.call == f"graphprune.{name}"]
+            y = losses if isinstance(losses, torch.Tensor) or (
+                isinstance(losses, (list, tuple)) and not any(callable(t) for t in losses)) else None
+            for i, report in enumerate(reports):
+                self._show(name, where, y, report, f"pass {i + 1} of {len(reports)}")
+            return result
+
+        return reporting
+
+    def _pruning(self, pruning):
+        session = self
+
+        class ShownPruning(_pruning.Pruning):
+            """The block's mode, showing each routed call's report as the call ends."""
+
+            def __torch_function__(self, func, types, args=(), kwargs=None):
+                if func not in _pruning._SIGNATURES:
+                    return super().__torch_function__(func, types, args, kwargs)
+                before = len(self.reports)
+                result = super().__torch_function__(func, types, args, kwargs)
+                if len(self.reports) > before:
+                    frame = _outside_graphprune_and_torch(sys._getframe(1))
+                    where = "<unknown>" if frame is None else (
+                        f"{os.path.basename(frame.f_code.co_filename)}:{frame.f_lineno}")
+                    call = ("Tensor.backward" if func is torch.Tensor.backward else
+                            f"torch.autograd.{func.__name__}")
+                    bound = _pruning._SIGNATURES[func].bind(*args, **(kwargs or {})).arguments
+                    for report in self.reports[before:]:
+                        session._show("pruning", where, bound[_ROUTED_OUTPUT[call]], report, f"routed {call}")
+                return result
+
+        @functools.wraps(pruning)
+        def shown(*, keep=None):
+            return ShownPruning(keep)
+
+        return shown
+
+    def _show(self, name: str, where: str, y, report: PruneReport, detail: str = "") -> None:
         self.reports.append(report)
         n = len(self.reports)
-        lines = [f"[{n}] graphprune.{name} at {where}", *("    " + s for s in str(report).splitlines())]
+        head = f"[{n}] graphprune.{name} at {where}" + (f", {detail}" if detail else "")
+        lines = [head, *("    " + s for s in str(report).splitlines())]
         if self.timeline is not None:
             self.timeline.mark(f"{name} at {where}")
-        if self.svg_dir:
+        if self.svg_dir and y is None:
+            lines.append("    picture: none (the losses are callables: their heads are built and freed "
+                         "inside the call)")
+        elif self.svg_dir:
             path = os.path.join(self.svg_dir, f"{n:02d}-{name}-{where.replace(':', '-')}.{self.fmt}")
-            gp.render(y, path=path, report=report, title=f"[{n}] graphprune.{name} at {where}: "
-                      f"{format_bytes(report.bytes_freed)} freed")
+            gp.render(y, path=path, report=report, title=f"{head}: {format_bytes(report.bytes_freed)} freed")
             lines.append(f"    picture: {path}")
         print("\n".join(lines), flush=True)
 
@@ -182,6 +254,14 @@ class Session:
             gp.plot_timeline([self.timeline], path)
             text += f"; memory timeline: {path}"
         elif not self.reports:
-            text += (" (the script made no prune_after/backward/grad call; the passes of "
-                     "backward_each/grads_each and the calls pruning() routes are not shown)")
+            text += (" (the script made no prune_after/backward/grad/backward_each/grads_each call, "
+                     "and no pruning() block routed one)")
         print(text, flush=True)
+
+
+def _outside_graphprune_and_torch(frame):
+    """The first frame from ``frame`` outwards whose code is neither graphprune's nor
+    torch's: the line that called ``backward`` or ``grad`` (a library's, or the script's)."""
+    while frame is not None and frame.f_code.co_filename.startswith(_OUTSIDE):
+        frame = frame.f_back
+    return frame

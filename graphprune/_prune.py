@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import threading
 from collections.abc import Sequence
@@ -289,4 +290,23 @@ def _remember(report: PruneReport, retain_graph=None) -> PruneReport:
                            report.bytes_kept, frozenset().union(*(r.node_ids for r in report.kept))),)
         report = dataclasses.replace(report, kept=held)
     _last.report = report
+    for got in getattr(_last, "captures", ()):
+        got.append(report)
     return report
+
+
+@contextlib.contextmanager
+def capturing():
+    """A list that gets every report this thread's calls make while the block is open,
+    in order: the passes of ``grads_each``, which returns rows, not reports (for the
+    CLI). A per-loss helper that labels its last report with its strategy makes it
+    twice, unlabelled and labelled."""
+    got: list[PruneReport] = []
+    captures = getattr(_last, "captures", None)
+    if captures is None:
+        captures = _last.captures = []
+    captures.append(got)
+    try:
+        yield got
+    finally:
+        captures.remove(got)

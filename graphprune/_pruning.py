@@ -195,12 +195,14 @@ def _why_plain(func, a: dict, site) -> str | None:
 
 
 def _call_site():
-    """The frame that made the call: the first outside torch, this module and ``track()``'s
-    call-site functions (which stand at their caller's line)."""
+    """The frame that made the call: the first outside torch, this module, the CLI's
+    reporting block (``python -m graphprune explain``) and ``track()``'s call-site
+    functions (which stand at their caller's line)."""
     frame = sys._getframe(2)
     while frame is not None:
         code = frame.f_code
-        own = code.co_filename.startswith(_OWN_DIR) and code.co_filename.endswith(("_pruning.py", "_tape.py"))
+        own = code.co_filename.startswith(_OWN_DIR) and code.co_filename.endswith(
+            ("_pruning.py", "_tape.py", "_cli.py"))
         if not (code.co_filename.startswith(_TORCH_DIR) or code.co_name == _TRAMPOLINE or own):
             return frame
         frame = frame.f_back

@@ -83,3 +83,47 @@ def test_exit_code_and_help(tmp_path):
     helped = subprocess.run([sys.executable, "-m", "graphprune", "--help"], capture_output=True, text=True,
                             timeout=120, cwd=ROOT)
     assert helped.returncode == 0 and "explain" in helped.stdout and "python -m graphprune" in helped.stdout
+
+
+PER_LOSS = """\
+import torch
+import graphprune as gp
+
+w = torch.ones(64, requires_grad=True)
+with gp.track():
+    x = w.exp()
+    losses = [x.sin().sum(), x.cos().sum()]
+reports = gp.backward_each(l for l in losses)  # a generator, as torch takes
+with gp.track():
+    x = w.exp()
+rows = gp.grads_each([lambda: x.sin().sum(), lambda: x.cos().sum()], w)
+with gp.track():
+    x = w.exp()
+    stacked = torch.stack([x.sin().sum(), x.cos().sum()])
+with gp.pruning() as p:
+    stacked[0].backward(retain_graph=True)
+    stacked[1].backward()
+print("routed", len(p.reports), "plain", len(p.passed))
+"""
+
+
+def test_the_per_loss_helpers_passes_and_routed_calls_are_reported(tmp_path):
+    out_dir = tmp_path / "pictures"
+    proc = explain(tmp_path, PER_LOSS, "--svg", str(out_dir), "--format", "dot")
+    assert proc.returncode == 0, proc.stderr
+    out = proc.stdout
+    # backward_each's cut: a pass per head, then the trunk's (the one its strategy labels)
+    assert "[1] graphprune.backward_each at train.py:8, pass 1 of 3\n" in out
+    assert "[2] graphprune.backward_each at train.py:8, pass 2 of 3\n" in out
+    assert "[3] graphprune.backward_each at train.py:8, pass 3 of 3\n" in out
+    assert out.count("strategy: cut: 2 head pass(es), then the trunk once") == 1
+    assert "[4] graphprune.grads_each at train.py:11, pass 1 of 2\n" in out
+    assert "[5] graphprune.grads_each at train.py:11, pass 2 of 2\n" in out
+    assert "    picture: none (the losses are callables" in out
+    assert "[6] graphprune.pruning at train.py:16, routed Tensor.backward\n" in out
+    assert "[7]" not in out  # the plain pass (no retain_graph) is PyTorch's, unreported as elsewhere
+    assert "routed 1 plain 1" in out  # the script's own view of its block is unchanged
+    assert "graphprune explain: 6 call(s)" in out
+    assert (out_dir / "01-backward_each-train.py-8.dot").exists()
+    assert (out_dir / "06-pruning-train.py-16.dot").exists()
+    assert not list(out_dir.glob("04-*"))  # callables: no picture
