@@ -40,8 +40,7 @@ _Tensor = torch.Tensor
 _NO_KWARGS: dict = {}
 _Size = torch.Size
 _TENSOR_OR_SEQUENCE = (_Tensor, tuple, list)  # a tuple's subclass too: torch.return_types.max
-# tensor types whose attribute reads call no __torch_function__ of their own
-_PLAIN = frozenset({_Tensor, torch.nn.Parameter})
+_Parameter = torch.nn.Parameter  # dispatches no __torch_function__ of its own: read as a plain tensor
 _REGISTERS_A_HOOK = "registers a hook"  # truthy: _inplace_funcs' rare branch
 _ADDS_A_HOOK = "adds a hook"  # a tensor hook of another kind: nothing to mark
 # func -> whether it modifies its first argument in place, or _REGISTERS_A_HOOK, _ADDS_A_HOOK
@@ -123,7 +122,7 @@ class _OutputRecorder(TorchFunctionMode):
                 return out  # grad_fn raises, and plain PyTorch would never have read it
             if _anomaly_enabled():
                 _drop_own_frames(out)
-        elif len(args) == 1 and type(a := args[0]) in _PLAIN and (
+        elif len(args) == 1 and ((kind := type(a := args[0])) is _Tensor or kind is _Parameter) and (
                 type(out) is _Size or not isinstance(out, _TENSOR_OR_SEQUENCE)):  # a plain
             try:  # tensor's property, size or dim: no tensor made, no subclass to keep out
                 if not getweakrefcount(a) and a.requires_grad and not a.is_leaf:

@@ -639,6 +639,25 @@ def test_tensor_subclass_sees_the_same_calls():
     assert both(fn).value[2] == ["mul", "exp", "sum", "backward"]
 
 
+class _UnhashableMeta(torch._C._TensorMeta):
+    def __eq__(cls, other):  # __eq__ without __hash__: the classes it makes are unhashable
+        return cls is other
+
+
+class _UnhashableClassTensor(torch.Tensor, metaclass=_UnhashableMeta):
+    pass
+
+
+def test_a_subclass_whose_class_is_unhashable_is_read_without_hashing_it():
+    # the recorder tells a plain tensor's property read by the argument's type: by identity,
+    # never by hashing the type (which may be unhashable, or run the metaclass's code)
+    def fn():
+        t = torch.randn(3).as_subclass(_UnhashableClassTensor)
+        return t.dim(), t.dtype, tuple(t.shape)
+
+    assert both(fn).value == (1, torch.float32, (3,))
+
+
 # -- anomaly mode ----------------------------------------------------------------------------------
 
 
