@@ -70,6 +70,20 @@ def _own_pack_hook():
     return top[0] if top is not None and getattr(top[0], "__graphprune__", False) else None
 
 
+# NOTE [ Modes below the recorder ]
+# Inside a mode's ``__torch_function__`` the mode is off, and the modes below it on the
+# stack are on: graphprune's own reads of a call's tensors (``is_leaf``,
+# ``requires_grad``, ``grad_fn``) would reach a user's mode entered outside ``track()``
+# (a logging mode, ``torch.device(...)``) as calls the program never made. With a mode
+# below, the recorder runs with torch-function dispatch off, and the call itself in the
+# state its caller had: the modes below see the calls a plain run makes, and only those.
+_modes_below = torch._C._len_torch_function_stack
+_torch_function_state = torch._C._get_torch_function_state
+_set_torch_function_state = torch._C._set_torch_function_state
+_ALL_DISABLED = torch._C._TorchFunctionState.ALL_DISABLED
+_NoTorchFunction = torch._C.DisableTorchFunction
+
+
 class _OutputRecorder(TorchFunctionMode):
     """Sees every Python-level torch call under a tape and notes its outputs.
 
@@ -95,43 +109,65 @@ class _OutputRecorder(TorchFunctionMode):
             if frame.f_code is _HANDLE_TORCH_FUNCTION and frame.f_back is not None:
                 caller = frame.f_back.f_back or frame
             call = _call_sites.get((id(caller.f_code), caller.f_lasti)) or _call_site(caller)
-        if func is _SETITEM and args and type(args[0]) is _Tensor:
-            return _call_setitem(call, func, args, kwargs)
-        inplace = _inplace_funcs.get(func)
-        if inplace is None:
-            inplace = _inplace_funcs[func] = _is_inplace(func)
-        if inplace:  # rare: an in-place method, or a tensor hook's registration
-            if inplace is _REGISTERS_A_HOOK:
-                return _call_registering_hook(call, func, args, kwargs)
-            if inplace is _ADDS_A_HOOK:
-                _before_a_hook()
-            elif args and isinstance(args[0], _Tensor) and _is_view(args[0]):
-                return _call_inplace_on_view(call, func, args, kwargs)
-        out = call(func, args, kwargs)
-        if type(out) is _Tensor:  # the common case, inlined
-            try:
-                if not out.is_leaf:
-                    _note_one(out, frame)
-                for a in args:
-                    if type(a) is _Tensor:
-                        if not getweakrefcount(a) and a.requires_grad and not a.is_leaf:
-                            _note_unseen(a)
-                    elif isinstance(a, (tuple, list)):
-                        _note_unseen_in(a)
-            except RuntimeError:  # a view made under no_grad, modified in place: its
-                return out  # grad_fn raises, and plain PyTorch would never have read it
-            if _anomaly_enabled():
-                _drop_own_frames(out)
-        elif len(args) == 1 and ((kind := type(a := args[0])) is _Tensor or kind is _Parameter) and (
-                type(out) is _Size or not isinstance(out, _TENSOR_OR_SEQUENCE)):  # a plain
-            try:  # tensor's property, size or dim: no tensor made, no subclass to keep out
-                if not getweakrefcount(a) and a.requires_grad and not a.is_leaf:
-                    _note_unseen(a)
-            except RuntimeError:  # a view made under no_grad, modified in place
-                pass
-        else:
-            _note_safely(out, args, frame)
-        return out
+        if _modes_below():  # NOTE [ Modes below the recorder ]
+            state = _torch_function_state()
+            with _NoTorchFunction():
+                return _record(func, args, kwargs, _in_state(call, state), frame)
+        return _record(func, args, kwargs, call, frame)
+
+
+def _record(func, args, kwargs, call, frame):
+    """Make the call through ``call`` (the caller's call site) and note what it made."""
+    if func is _SETITEM and args and type(args[0]) is _Tensor:
+        return _call_setitem(call, func, args, kwargs)
+    inplace = _inplace_funcs.get(func)
+    if inplace is None:
+        inplace = _inplace_funcs[func] = _is_inplace(func)
+    if inplace:  # rare: an in-place method, or a tensor hook's registration
+        if inplace is _REGISTERS_A_HOOK:
+            return _call_registering_hook(call, func, args, kwargs)
+        if inplace is _ADDS_A_HOOK:
+            _before_a_hook()
+        elif args and isinstance(args[0], _Tensor) and _is_view(args[0]):
+            return _call_inplace_on_view(call, func, args, kwargs)
+    out = call(func, args, kwargs)
+    if type(out) is _Tensor:  # the common case, inlined
+        try:
+            if not out.is_leaf:
+                _note_one(out, frame)
+            for a in args:
+                if type(a) is _Tensor:
+                    if not getweakrefcount(a) and a.requires_grad and not a.is_leaf:
+                        _note_unseen(a)
+                elif isinstance(a, (tuple, list)):
+                    _note_unseen_in(a)
+        except RuntimeError:  # a view made under no_grad, modified in place: its
+            return out  # grad_fn raises, and plain PyTorch would never have read it
+        if _anomaly_enabled():
+            _drop_own_frames(out)
+    elif len(args) == 1 and ((kind := type(a := args[0])) is _Tensor or kind is _Parameter) and (
+            type(out) is _Size or not isinstance(out, _TENSOR_OR_SEQUENCE)):  # a plain
+        try:  # tensor's property, size or dim: no tensor made, no subclass to keep out
+            if not getweakrefcount(a) and a.requires_grad and not a.is_leaf:
+                _note_unseen(a)
+        except RuntimeError:  # a view made under no_grad, modified in place
+            pass
+    else:
+        _note_safely(out, args, frame)
+    return out
+
+
+def _in_state(call, state):
+    """``call``, run with the torch-function state ``state`` (the caller's), from a block
+    that turned torch-function dispatch off (NOTE [ Modes below the recorder ])."""
+    def restored(func, args, kwargs):
+        _set_torch_function_state(state)
+        try:
+            return call(func, args, kwargs)
+        finally:
+            _set_torch_function_state(_ALL_DISABLED)
+
+    return restored
 
 
 def _call_site(frame):

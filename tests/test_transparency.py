@@ -25,6 +25,7 @@ import pytest
 import torch
 import torch.autograd.forward_ad as fwAD
 from torch.autograd.function import once_differentiable
+from torch.overrides import TorchFunctionMode
 from torch.testing import assert_close
 from torch.utils.checkpoint import checkpoint
 
@@ -656,6 +657,39 @@ def test_a_subclass_whose_class_is_unhashable_is_read_without_hashing_it():
         return t.dim(), t.dtype, tuple(t.shape)
 
     assert both(fn).value == (1, torch.float32, (3,))
+
+
+class _CallLog(TorchFunctionMode):
+    """A user's mode entered outside ``track()``: logs every call that reaches it."""
+
+    calls: list = []
+
+    def __enter__(self):
+        _CallLog.calls = []
+        return super().__enter__()
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        _CallLog.calls.append(getattr(func, "__qualname__", getattr(func, "__name__", repr(func))))
+        return func(*args, **(kwargs or {}))
+
+
+def test_a_mode_outside_track_sees_the_calls_of_a_plain_run_and_only_those():
+    def fn():
+        torch.manual_seed(0)
+        lin = torch.nn.Linear(4, 4)
+        x = torch.randn(2, 4, requires_grad=True)
+        h = lin(x * 2)
+        h.register_hook(lambda g: g * 1)
+        values, _ = h.max(dim=1)  # a tuple of outputs
+        v = h[:, :2]
+        v.mul_(3)  # in place, on a view
+        h[0] = h[1]  # an item assignment
+        assert lin.weight.dtype is torch.float32  # a Parameter's property
+        (values.sum() + h.sum()).backward()
+        return x.grad, list(_CallLog.calls)
+
+    calls = both(fn, outer=_CallLog).value[1]
+    assert "TensorBase.mul_" in calls and "Tensor.backward" in calls
 
 
 # -- anomaly mode ----------------------------------------------------------------------------------
