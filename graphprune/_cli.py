@@ -13,9 +13,11 @@ line to its last. ``--track all`` / ``--track script`` force either. Either way 
 replaces ``graphprune.prune_after``, ``backward``, ``grad``, ``backward_each``,
 ``grads_each``, ``pruning`` (and, for ``--svg`` or ``--modules``, ``track``) in the
 graphprune module for the run, the way a profiler does: a script that calls
-``gp.backward(...)`` gets the reporting version. A per-loss helper's passes are shown
-when it returns, one report each, at the helper's line; a routed call as it ends, at
-the line that made it (a library's own, for a library's loop).
+``gp.backward(...)`` gets the reporting version. Each report is shown as its pass ends
+(a pass that ran before a call raised too): a per-loss helper's at the helper's line,
+one a pass (``pass 2``); a routed call's at the line that made it (a library's own, for
+a library's loop). A call made inside another (a helper in a head's callable) shows its
+own reports, once (``_prune.capturing``: the innermost block gets them).
 """
 
 from __future__ import annotations
@@ -24,11 +26,10 @@ import argparse
 import ast
 import contextlib
 import functools
+import itertools
 import os
 import runpy
 import sys
-
-import torch
 
 import graphprune as gp
 
@@ -45,8 +46,6 @@ _FIRST = {"prune_after": "y", "backward": "tensors", "grad": "outputs",  # the o
           "backward_each": "losses", "grads_each": "losses"}
 _ROUTED_OUTPUT = {"Tensor.backward": "self", "torch.autograd.backward": "tensors",
                   "torch.autograd.grad": "outputs"}
-_OUTSIDE = (os.path.dirname(os.path.abspath(gp.__file__)) + os.sep,
-            os.path.dirname(os.path.abspath(torch.__file__)) + os.sep)
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -140,17 +139,17 @@ class Session:
         self.modules = modules
         self.timeline = gp.Timeline("this run") if svg_dir else None
         self.reports: list[PruneReport] = []
+        self.calls = 0  # the calls that made a report: a per-loss helper's passes count one
         if svg_dir:
             os.makedirs(svg_dir, exist_ok=True)
 
     @contextlib.contextmanager
     def patched(self):
         originals = {name: getattr(gp, name) for name in (*_CALLS, *_EACH, "pruning", "track")}
-        for name in _CALLS:
+        for name in (*_CALLS, *_EACH):
             setattr(gp, name, self._reporting(name, originals[name]))
-        for name in _EACH:
-            setattr(gp, name, self._reporting_each(name, originals[name]))
-        gp.pruning = self._pruning(originals["pruning"])
+        shown = self._shown_pruning()
+        gp.pruning = functools.wraps(originals["pruning"])(lambda *, keep=None: shown(keep))
         if self.timeline is not None or self.modules:
             gp.track = self._track(originals["track"])
         try:
@@ -167,76 +166,68 @@ class Session:
         return tracked
 
     def _reporting(self, name: str, call):
-        @functools.wraps(call)
-        def reporting(*args, **kwargs):
-            frame = sys._getframe(1)
-            where = f"{os.path.basename(frame.f_code.co_filename)}:{frame.f_lineno}"
-            result = call(*args, **kwargs)
-            report = result if isinstance(result, PruneReport) else gp.last_report()
-            y = args[0] if args else kwargs[_FIRST[name]]
-            self._show(name, where, y, report)
-            return result
+        """``call``, showing each report it makes as it makes it: one, or one a pass for
+        a per-loss helper (``pass 2``)."""
+        each = name in _EACH
 
-        return reporting
-
-    def _reporting_each(self, name: str, call):
-        """``backward_each`` / ``grads_each``, showing each pass's report when it returns."""
         @functools.wraps(call)
         def reporting(*args, **kwargs):
             frame = sys._getframe(1)
             where = f"{os.path.basename(frame.f_code.co_filename)}:{frame.f_lineno}"
             given = args[0] if args else kwargs.get(_FIRST[name])
-            losses = listed(given)  # a generator: read here, once, for the call and the pictures
-            if losses is not given:
-                args, kwargs = ((losses, *args[1:]), kwargs) if args else (args, {**kwargs, "losses": losses})
-            with capturing() as made:
-                result = call(*args, **kwargs)
-            # backward_each returns its reports; grads_each's are the ones its passes made
-            reports = result if name == "backward_each" else [
-                r for r in made if r.call == f"graphprune.{name}"]
-            y = losses if isinstance(losses, torch.Tensor) or (
-                isinstance(losses, (list, tuple)) and not any(callable(t) for t in losses)) else None
-            for i, report in enumerate(reports):
-                self._show(name, where, y, report, f"pass {i + 1} of {len(reports)}")
-            return result
+            y = listed(given)  # a generator: read here, once, for the call and the pictures
+            if y is not given:
+                args, kwargs = ((y, *args[1:]), kwargs) if args else (args, {**kwargs, _FIRST[name]: y})
+            if each and isinstance(y, (list, tuple)) and any(callable(t) for t in y):
+                y = None  # heads a callable builds are built and freed inside the call
+            passes = itertools.count(1)
+            first = []
+
+            def shown(report, relabels):
+                if relabels is not None:
+                    self._relabelled(report, relabels)
+                elif not report.dry_run:  # an explain() in a head's callable says what it says
+                    self._show(name, where, y, report, f"pass {next(passes)}" if each else "",
+                               counted=not first)
+                    first.append(report)
+
+            with capturing(shown):
+                return call(*args, **kwargs)
 
         return reporting
 
-    def _pruning(self, pruning):
+    def _shown_pruning(self):
         session = self
 
         class ShownPruning(_pruning.Pruning):
-            """The block's mode, showing each routed call's report as the call ends."""
+            """``pruning()``'s block, showing each routed call's report as it is made."""
 
-            def __torch_function__(self, func, types, args=(), kwargs=None):
-                if func not in _pruning._SIGNATURES:
-                    return super().__torch_function__(func, types, args, kwargs)
-                before = len(self.reports)
-                result = super().__torch_function__(func, types, args, kwargs)
-                if len(self.reports) > before:
-                    frame = _outside_graphprune_and_torch(sys._getframe(1))
-                    where = "<unknown>" if frame is None else (
-                        f"{os.path.basename(frame.f_code.co_filename)}:{frame.f_lineno}")
-                    call = ("Tensor.backward" if func is torch.Tensor.backward else
-                            f"torch.autograd.{func.__name__}")
-                    bound = _pruning._SIGNATURES[func].bind(*args, **(kwargs or {})).arguments
-                    for report in self.reports[before:]:
-                        session._show("pruning", where, bound[_ROUTED_OUTPUT[call]], report, f"routed {call}")
-                return result
+            def _routed(self, site, call, arguments, run):
+                where = "<unknown>" if site is None else (
+                    f"{os.path.basename(site.f_code.co_filename)}:{site.f_lineno}")
+                first = []
 
-        @functools.wraps(pruning)
-        def shown(*, keep=None):
-            return ShownPruning(keep)
+                def shown(report, relabels):
+                    if relabels is None and not report.dry_run:
+                        session._show("pruning", where, arguments[_ROUTED_OUTPUT[call]], report,
+                                      f"routed {call}", counted=not first)
+                        first.append(report)
 
-        return shown
+                with capturing(shown):
+                    return super()._routed(site, call, arguments, run)
 
-    def _show(self, name: str, where: str, y, report: PruneReport, detail: str = "") -> None:
+        return ShownPruning
+
+    def _show(self, name: str, where: str, y, report: PruneReport, detail: str = "",
+              counted: bool = True) -> None:
+        """Print ``report`` (picture it with ``--svg``); ``counted``: the first report of its call."""
         self.reports.append(report)
+        self.calls += counted
         n = len(self.reports)
         head = f"[{n}] graphprune.{name} at {where}" + (f", {detail}" if detail else "")
         lines = [head, *("    " + s for s in str(report).splitlines())]
         if self.timeline is not None:
-            self.timeline.mark(f"{name} at {where}")
+            self.timeline.mark(f"{name} at {where}" + (f", {detail}" if detail else ""))
         if self.svg_dir and y is None:
             lines.append("    picture: none (the losses are callables: their heads are built and freed "
                          "inside the call)")
@@ -246,9 +237,18 @@ class Session:
             lines.append(f"    picture: {path}")
         print("\n".join(lines), flush=True)
 
+    def _relabelled(self, report: PruneReport, old: PruneReport) -> None:
+        """A per-loss helper labelled the report of the pass just shown with its strategy."""
+        for i in range(len(self.reports) - 1, -1, -1):
+            if self.reports[i] is old:
+                self.reports[i] = report
+                break
+        print(f"      strategy: {report.strategy}", flush=True)  # indented as the report's own lines
+
     def summary(self) -> None:
         freed = sum(r.bytes_freed for r in self.reports)
-        text = f"graphprune explain: {len(self.reports)} call(s), {format_bytes(freed)} freed in all"
+        passes = f" ({len(self.reports)} report(s))" if len(self.reports) != self.calls else ""
+        text = f"graphprune explain: {self.calls} call(s){passes}, {format_bytes(freed)} freed in all"
         if self.timeline is not None and self.timeline.events:
             path = os.path.join(self.svg_dir, f"timeline.{'svg' if self.fmt == 'dot' else self.fmt}")
             gp.plot_timeline([self.timeline], path)
@@ -257,11 +257,3 @@ class Session:
             text += (" (the script made no prune_after/backward/grad/backward_each/grads_each call, "
                      "and no pruning() block routed one)")
         print(text, flush=True)
-
-
-def _outside_graphprune_and_torch(frame):
-    """The first frame from ``frame`` outwards whose code is neither graphprune's nor
-    torch's: the line that called ``backward`` or ``grad`` (a library's, or the script's)."""
-    while frame is not None and frame.f_code.co_filename.startswith(_OUTSIDE):
-        frame = frame.f_back
-    return frame

@@ -50,7 +50,7 @@ from . import _outputs, _routing
 from ._graph import FOREIGN, _is_router, is_accumulator, reach, saved
 from ._marks import is_hooked
 from ._plan import Plan, listed, no_graph_reason
-from ._prune import _remember
+from ._prune import _relabel, _remember
 from ._report import PruneReport
 from ._tape import before_hooks, track
 from ._warn import warn_at_caller
@@ -138,7 +138,7 @@ def _backward_each(losses, keep, strategy: str, notes: list) -> list[PruneReport
         if hooked:
             text += (" (a hook below the cut, or a tensor at it that retains its grad: the cut would "
                      "run it on the heads' summed gradient, not once per loss)")
-        reports[-1] = _remember(dataclasses.replace(reports[-1], strategy=text))
+        reports[-1] = _relabel(reports[-1], text)
         return reports
     reports, cut, whole, ran = [], collections.OrderedDict(), 0, []  # ran: the heads of whole passes
     flushed: list[GradientEdge] = []  # where the trunk ran early: NOTE [ Hooks a later head registers ]
@@ -195,7 +195,7 @@ def _backward_each(losses, keep, strategy: str, notes: list) -> list[PruneReport
     _, report = _pass(call, None, keep, (), lambda: torch.autograd.backward(edges, grads, retain_graph=True),
                       edges=edges + below, notes=notes)
     text = f"cut: {len(items)} head pass(es), then the trunk once from {len(edges)} edge(s){why}"
-    reports.append(_remember(dataclasses.replace(report, strategy=text)))
+    reports.append(_relabel(report, text))
     return reports
 
 

@@ -290,23 +290,39 @@ def _remember(report: PruneReport, retain_graph=None) -> PruneReport:
                            report.bytes_kept, frozenset().union(*(r.node_ids for r in report.kept))),)
         report = dataclasses.replace(report, kept=held)
     _last.report = report
-    for got in getattr(_last, "captures", ()):
-        got.append(report)
+    captures = getattr(_last, "captures", None)
+    if captures:
+        captures[-1](report, None)
     return report
 
 
+def _relabel(report: PruneReport, strategy: str) -> PruneReport:
+    """``report``, which a per-loss helper's pass just made, labelled with the helper's
+    ``strategy``: what :func:`last_report` gives from now on; the innermost
+    :func:`capturing` block gets it as a relabel of ``report`` (the same pass)."""
+    labelled = dataclasses.replace(report, strategy=strategy)
+    _last.report = labelled
+    captures = getattr(_last, "captures", None)
+    if captures:
+        captures[-1](labelled, report)
+    return labelled
+
+
 @contextlib.contextmanager
-def capturing():
-    """A list that gets every report this thread's calls make while the block is open,
-    in order: the passes of ``grads_each``, which returns rows, not reports (for the
-    CLI). A per-loss helper that labels its last report with its strategy makes it
-    twice, unlabelled and labelled."""
-    got: list[PruneReport] = []
+def capturing(on_report):
+    """While the block is open, ``on_report(report, relabels)`` gets each report this
+    thread's calls make, as they make it (``relabels``: ``None``, or the report that
+    ``report`` labels, :func:`_relabel`); a block opened inside it gets those of the
+    calls made inside instead. For the CLI: the passes of ``grads_each`` and of a
+    ``pruning()`` block return no report."""
     captures = getattr(_last, "captures", None)
     if captures is None:
         captures = _last.captures = []
-    captures.append(got)
+    captures.append(on_report)
     try:
-        yield got
+        yield
     finally:
-        captures.remove(got)
+        for i in range(len(captures) - 1, -1, -1):  # by identity: callbacks may compare equal
+            if captures[i] is on_report:
+                del captures[i]
+                break

@@ -90,9 +90,14 @@ class Pruning(TorchFunctionMode):
         if why is not None:
             self.passed.append((call, why))
             return func(*args, **kwargs)
-        report, result = _at(site, _route, (self.keep, func, a))
+        report, result = self._routed(site, call, a, lambda: _at(site, _route, (self.keep, func, a)))
         self.reports.append(report)
         return result
+
+    def _routed(self, site, call: str, arguments: dict, run) -> tuple:
+        """``run()``, the routed call made at ``site`` (a frame, or ``None``) as graphprune's:
+        ``(report, result)``. The CLI's block shows the report here."""
+        return run()
 
     def __repr__(self) -> str:
         return f"<graphprune.pruning: {len(self.reports)} routed, {len(self.passed)} plain call(s)>"
@@ -195,14 +200,12 @@ def _why_plain(func, a: dict, site) -> str | None:
 
 
 def _call_site():
-    """The frame that made the call: the first outside torch, this module, the CLI's
-    reporting block (``python -m graphprune explain``) and ``track()``'s call-site
-    functions (which stand at their caller's line)."""
+    """The frame that made the call: the first outside torch, this module and ``track()``'s
+    call-site functions (which stand at their caller's line)."""
     frame = sys._getframe(2)
     while frame is not None:
         code = frame.f_code
-        own = code.co_filename.startswith(_OWN_DIR) and code.co_filename.endswith(
-            ("_pruning.py", "_tape.py", "_cli.py"))
+        own = code.co_filename.startswith(_OWN_DIR) and code.co_filename.endswith(("_pruning.py", "_tape.py"))
         if not (code.co_filename.startswith(_TORCH_DIR) or code.co_name == _TRAMPOLINE or own):
             return frame
         frame = frame.f_back

@@ -112,18 +112,64 @@ def test_the_per_loss_helpers_passes_and_routed_calls_are_reported(tmp_path):
     proc = explain(tmp_path, PER_LOSS, "--svg", str(out_dir), "--format", "dot")
     assert proc.returncode == 0, proc.stderr
     out = proc.stdout
-    # backward_each's cut: a pass per head, then the trunk's (the one its strategy labels)
-    assert "[1] graphprune.backward_each at train.py:8, pass 1 of 3\n" in out
-    assert "[2] graphprune.backward_each at train.py:8, pass 2 of 3\n" in out
-    assert "[3] graphprune.backward_each at train.py:8, pass 3 of 3\n" in out
-    assert out.count("strategy: cut: 2 head pass(es), then the trunk once") == 1
-    assert "[4] graphprune.grads_each at train.py:11, pass 1 of 2\n" in out
-    assert "[5] graphprune.grads_each at train.py:11, pass 2 of 2\n" in out
+    # backward_each's cut: a pass per head, then the trunk's, which its strategy labels
+    assert "[1] graphprune.backward_each at train.py:8, pass 1\n" in out
+    assert "[2] graphprune.backward_each at train.py:8, pass 2\n" in out
+    assert "[3] graphprune.backward_each at train.py:8, pass 3\n" in out
+    assert out.count("    strategy: cut: 2 head pass(es), then the trunk once from 1 edge(s)\n") == 1
+    assert "[4] graphprune.grads_each at train.py:11, pass 1\n" in out
+    assert "[5] graphprune.grads_each at train.py:11, pass 2\n" in out
     assert "    picture: none (the losses are callables" in out
     assert "[6] graphprune.pruning at train.py:16, routed Tensor.backward\n" in out
     assert "[7]" not in out  # the plain pass (no retain_graph) is PyTorch's, unreported as elsewhere
     assert "routed 1 plain 1" in out  # the script's own view of its block is unchanged
-    assert "graphprune explain: 6 call(s)" in out
+    assert "graphprune explain: 3 call(s) (6 report(s)), " in out
     assert (out_dir / "01-backward_each-train.py-8.dot").exists()
     assert (out_dir / "06-pruning-train.py-16.dot").exists()
     assert not list(out_dir.glob("04-*"))  # callables: no picture
+    texts = ["".join(t.itertext()) for t in ET.parse(out_dir / "timeline.svg").iter("{http://www.w3.org/2000/svg}text")]
+    assert "backward_each at train.py:8, pass 2" in texts  # marked when the pass ended
+
+
+NESTED = """\
+import torch
+import graphprune as gp
+
+w = torch.ones(8, requires_grad=True)
+v = torch.ones(8, requires_grad=True)
+with gp.track():
+    x = w.exp()
+
+def first():
+    with gp.track():
+        z = v.exp()
+    gp.grads_each([z.sin().sum(), z.cos().sum()], v)
+    return x.sin().sum()
+
+rows = gp.grads_each([first, lambda: x.cos().sum()], w)
+print("rows", len(rows))
+u = torch.ones(8, requires_grad=True)
+with gp.track():
+    x = w.exp()
+    failing = [x.sin().sum(), u.cos().sum()]
+try:
+    gp.grads_each(failing, w)
+except RuntimeError as e:
+    print("caught", type(e).__name__)
+"""
+
+
+def test_a_helper_inside_a_helpers_callable_and_a_helper_that_raises_are_reported_once(tmp_path):
+    proc = explain(tmp_path, NESTED)
+    assert proc.returncode == 0, proc.stderr
+    out = proc.stdout
+    assert "rows 2" in out and "caught RuntimeError" in out  # the script runs as it runs alone
+    # the inner call's passes under its own line, the outer's under the outer line: once each
+    assert "[1] graphprune.grads_each at train.py:12, pass 1\n" in out
+    assert "[2] graphprune.grads_each at train.py:12, pass 2\n" in out
+    assert "[3] graphprune.grads_each at train.py:15, pass 1\n" in out
+    assert "[4] graphprune.grads_each at train.py:15, pass 2\n" in out
+    # the pass that ran before the call raised freed its head: it is reported
+    assert "[5] graphprune.grads_each at train.py:22, pass 1\n" in out
+    assert "[6]" not in out
+    assert "graphprune explain: 3 call(s) (5 report(s))" in out
