@@ -132,12 +132,34 @@ def pack_hook(tape: int):
     """
 
     def pack(t: torch.Tensor) -> SavedHandle:  # NOTE [ What the forward pays ]
+        if _modes_on() and type(t) is _Tensor:  # NOTE [ Reads no mode sees ]
+            with _NoTorchFunction():
+                return _handle(t, tape)
         if t.is_leaf:
             return SavedHandle(t, t._version, tape, True, t._is_view())
         return SavedHandle(t.detach(), t._version, tape, False, t._is_view())
 
     pack.__graphprune__ = True
     return pack
+
+
+def _handle(t: torch.Tensor, tape: int) -> SavedHandle:
+    if t.is_leaf:
+        return SavedHandle(t, t._version, tape, True, t._is_view())
+    return SavedHandle(t.detach(), t._version, tape, False, t._is_view())
+
+
+# NOTE [ Reads no mode sees ]
+# Inside a torch call the pack hook runs with the recorder off and no other mode on,
+# unless the user entered one outside ``track()``; a custom ``Function``'s
+# ``save_for_backward`` packs outside any torch call, the recorder on. There, the
+# hook's reads (``is_leaf``, ``detach``, ``_is_view``) would reach the modes as calls
+# the program never made: they run with torch-function dispatch off (one check per
+# saved tensor otherwise). A subclass's tensor is read through its own
+# ``__torch_function__`` as before: its ``detach`` keeps its type for the backward.
+_modes_on = getattr(torch._C, "_len_torch_function_stack", lambda: 0)
+_NoTorchFunction = torch._C.DisableTorchFunction
+_Tensor = torch.Tensor
 
 
 def _describe(t: torch.Tensor) -> str:

@@ -77,10 +77,14 @@ def _own_pack_hook():
 # (a logging mode, ``torch.device(...)``) as calls the program never made. With a mode
 # below, the recorder runs with torch-function dispatch off, and the call itself in the
 # state its caller had: the modes below see the calls a plain run makes, and only those.
-_modes_below = torch._C._len_torch_function_stack
-_torch_function_state = torch._C._get_torch_function_state
-_set_torch_function_state = torch._C._set_torch_function_state
-_ALL_DISABLED = torch._C._TorchFunctionState.ALL_DISABLED
+# (a torch without the state's bindings, older than 2.5: the modes below see the reads)
+_STATE_BINDINGS = all(hasattr(torch._C, name) for name in (
+    "_len_torch_function_stack", "_get_torch_function_state", "_set_torch_function_state",
+    "_TorchFunctionState"))
+_modes_below = torch._C._len_torch_function_stack if _STATE_BINDINGS else (lambda: 0)
+_torch_function_state = getattr(torch._C, "_get_torch_function_state", None)
+_set_torch_function_state = getattr(torch._C, "_set_torch_function_state", None)
+_ALL_DISABLED = torch._C._TorchFunctionState.ALL_DISABLED if _STATE_BINDINGS else None
 _NoTorchFunction = torch._C.DisableTorchFunction
 
 
@@ -127,7 +131,7 @@ def _record(func, args, kwargs, call, frame):
         if inplace is _REGISTERS_A_HOOK:
             return _call_registering_hook(call, func, args, kwargs)
         if inplace is _ADDS_A_HOOK:
-            _before_a_hook()
+            _before_a_hook(call)
         elif args and isinstance(args[0], _Tensor) and _is_view(args[0]):
             return _call_inplace_on_view(call, func, args, kwargs)
     out = call(func, args, kwargs)
@@ -280,8 +284,13 @@ def _note_call(out, args, frame) -> None:
 
 def _note_unseen_in(tensors) -> None:
     for t in tensors:
-        if isinstance(t, _Tensor) and not getweakrefcount(t) and t.requires_grad and not t.is_leaf:
-            _note_unseen(t)
+        if type(t) is _Tensor:
+            if not getweakrefcount(t) and t.requires_grad and not t.is_leaf:
+                _note_unseen(t)
+        elif isinstance(t, _Tensor):  # a subclass's __torch_function__ is not called for the reads
+            with _NoSubclassDispatch():
+                if not getweakrefcount(t) and t.requires_grad and not t.is_leaf:
+                    _note_unseen(t)
 
 
 def _note_unseen(t: torch.Tensor) -> None:
@@ -317,7 +326,7 @@ def _call_registering_hook(call, func, args, kwargs):
     """``t.register_hook(hook)``, through ``call``: mark ``t``'s node, whose hooks run
     wherever its gradient arrives, whether ``t`` lives then or not (NOTE [ Hooks at the
     cut ] in ``_each.py``)."""
-    _before_a_hook()
+    _before_a_hook(call)
     out = call(func, args, kwargs)
     t = args[0] if args else None
     if isinstance(t, _Tensor):
@@ -347,10 +356,13 @@ def before_hooks(run):
         _local.before_hook = old
 
 
-def _before_a_hook() -> None:
+def _before_a_hook(call) -> None:
+    """What :func:`before_hooks` asks to run, through ``call`` (the caller's call site):
+    a backward pass, in the torch-function state the caller has (NOTE [ Modes below the
+    recorder ])."""
     run = getattr(_local, "before_hook", None)
     if run is not None:
-        run()
+        call(run, (), _NO_KWARGS)
 
 
 def _call_inplace_on_view(call, func, args, kwargs):

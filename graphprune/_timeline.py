@@ -39,6 +39,9 @@ class Event(NamedTuple):
     in_backward: bool  # inside a backward pass (PyTorch's engine was running)
 
 
+_modes_on = getattr(torch._C, "_len_torch_function_stack", lambda: 0)
+
+
 class Timeline:
     """Bytes held by tracked saved tensors, event by event (NOTE [ What the timeline counts ]).
 
@@ -99,6 +102,12 @@ class Timeline:
         pack = pack_hook(tape)
 
         def timed_pack(t: torch.Tensor) -> SavedHandle:
+            if _modes_on() and type(t) is torch.Tensor:  # NOTE [ Reads no mode sees ] in _saved.py
+                with torch._C.DisableTorchFunction():
+                    return counted(t)
+            return counted(t)
+
+        def counted(t: torch.Tensor) -> SavedHandle:
             h = pack(t)
             if h.leaf:
                 if t.requires_grad:  # a parameter: not the graph's memory

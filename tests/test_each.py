@@ -581,6 +581,52 @@ def test_a_hook_a_later_head_callable_registers_does_not_see_the_earlier_heads_g
     torch.testing.assert_close(run(True), run(False))
 
 
+class _DeviceInBackward(torch.autograd.Function):
+    """The trunk: its backward makes a tensor under a device context of its own."""
+
+    devices: list = []
+
+    @staticmethod
+    def forward(ctx, x):
+        return x * 2
+
+    @staticmethod
+    def backward(ctx, g):
+        with torch.device("meta"):
+            _DeviceInBackward.devices.append(torch.empty(1).device.type)
+        return g * 2
+
+
+def test_the_trunks_early_pass_runs_in_the_callers_torch_function_state():
+    # a later head's callable registers a hook: the trunk runs first from the gradients at
+    # the cut, from inside the recorder; with a mode below it (torch.device around the
+    # step) it ran with torch-function dispatch off, and the trunk's own device context
+    # was ignored
+    def run(use_gp):
+        _DeviceInBackward.devices = []
+        w = torch.ones(3, requires_grad=True)
+        with torch.device("cpu"):
+            with gp.track():
+                x = _DeviceInBackward.apply(w)
+
+            def second():
+                h = x * 3
+                h.register_hook(lambda g: g)
+                return h.sum()
+
+            heads = [lambda: (x * 1).sum(), second]
+            if use_gp:
+                assert "the trunk ran 1 time(s) more" in gp.backward_each(heads)[-1].strategy
+            else:
+                for f in heads:
+                    f().backward(retain_graph=True)
+        return w.grad, list(_DeviceInBackward.devices)
+
+    plain, tracked = run(False), run(True)
+    assert tracked[1] == plain[1] == ["meta", "meta"]
+    torch.testing.assert_close(tracked[0], plain[0])
+
+
 def test_a_later_head_callable_that_registers_no_hook_runs_the_trunk_once():
     w = torch.ones(2, requires_grad=True)
     with gp.track():

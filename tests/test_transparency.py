@@ -692,6 +692,45 @@ def test_a_mode_outside_track_sees_the_calls_of_a_plain_run_and_only_those():
     assert "TensorBase.mul_" in calls and "Tensor.backward" in calls
 
 
+def test_a_mode_outside_track_sees_no_read_of_a_custom_functions_saved_tensors():
+    # save_for_backward packs outside any torch call: the pack hook's reads reached the modes
+    def fn():
+        x = torch.ones(3, requires_grad=True)
+        y = SetupContextMul.apply(x * 1, torch.full((3,), 2.0, requires_grad=True))
+        y.sum().backward()
+        return x.grad, list(_CallLog.calls)
+
+    both(fn, outer=_CallLog)
+    plain = outcome(fn, False, _CallLog).value[1]
+    with _CallLog():
+        with gp.track(timeline=gp.Timeline()):  # the timeline's pack hook reads sizes too
+            fn_value = fn()
+    assert fn_value[1] == plain
+
+
+class _Unwrapping(torch.Tensor):
+    """A subclass whose calls give plain tensors back."""
+
+    calls: list = []
+
+    @classmethod
+    def __torch_function__(cls, func, types, args=(), kwargs=None):
+        cls.calls.append(getattr(func, "__name__", repr(func)))
+        with torch._C.DisableTorchFunctionSubclass():
+            return func(*args, **(kwargs or {}))
+
+
+def test_a_subclass_in_a_list_argument_sees_only_its_own_calls():
+    def fn():
+        w = torch.ones(3, requires_grad=True)
+        s = (w * 2).as_subclass(_Unwrapping)  # a non-leaf made outside track(), in a list below
+        _Unwrapping.calls = []
+        out = torch.cat([s, w])
+        return type(out).__name__, list(_Unwrapping.calls)
+
+    assert both(fn).value[1] == ["cat"]
+
+
 # -- anomaly mode ----------------------------------------------------------------------------------
 
 
