@@ -13,7 +13,10 @@ line to its last. ``--track all`` / ``--track script`` force either. Either way 
 replaces ``graphprune.prune_after``, ``backward``, ``grad``, ``backward_each``,
 ``grads_each``, ``pruning`` (and, for ``--svg`` or ``--modules``, ``track``) in the
 graphprune module for the run, the way a profiler does: a script that calls
-``gp.backward(...)`` gets the reporting version. Each report is shown as its pass ends
+``gp.backward(...)`` gets the reporting version; a module that imported one of them by
+name during a run (``from graphprune import backward``, as ``graphprune.distributed``
+does) keeps it, which reports to the run in progress and, outside any, is the function
+as it is. Each report is shown as its pass ends
 (a pass that ran before a call raised too): a per-loss helper's at the helper's line,
 one a pass (``pass 2``); a routed call's at the line that made it (a library's own, for
 a library's loop). A call made inside another (a helper in a head's callable) shows its
@@ -31,6 +34,9 @@ import os
 import runpy
 import sys
 
+import torch
+from torch.autograd.graph import GradientEdge
+
 import graphprune as gp
 
 from . import _pruning
@@ -46,6 +52,7 @@ _FIRST = {"prune_after": "y", "backward": "tensors", "grad": "outputs",  # the o
           "backward_each": "losses", "grads_each": "losses"}
 _ROUTED_OUTPUT = {"Tensor.backward": "self", "torch.autograd.backward": "tensors",
                   "torch.autograd.grad": "outputs"}
+_OWN_DIR = os.path.dirname(os.path.abspath(__file__)) + os.sep
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -100,7 +107,11 @@ def main(argv: list[str] | None = None) -> int:
             with tape or contextlib.nullcontext():
                 runpy.run_path(opts.script, run_name="__main__")
     except SystemExit as exit_:  # the script's sys.exit(): its code is ours
-        code = exit_.code if isinstance(exit_.code, int) else (0 if exit_.code is None else 1)
+        if exit_.code is None or isinstance(exit_.code, int):
+            code = exit_.code or 0
+        else:  # sys.exit("message"): Python prints the message and exits with 1
+            print(exit_.code, file=sys.stderr, flush=True)
+            code = 1
     finally:
         session.summary()
     return code
@@ -147,14 +158,15 @@ class Session:
     def patched(self):
         originals = {name: getattr(gp, name) for name in (*_CALLS, *_EACH, "pruning", "track")}
         for name in (*_CALLS, *_EACH):
-            setattr(gp, name, self._reporting(name, originals[name]))
-        shown = self._shown_pruning()
-        gp.pruning = functools.wraps(originals["pruning"])(lambda *, keep=None: shown(keep))
+            setattr(gp, name, _reporting(name, originals[name]))
+        gp.pruning = functools.wraps(originals["pruning"])(lambda *, keep=None: _ShownPruning(keep))
         if self.timeline is not None or self.modules:
             gp.track = self._track(originals["track"])
+        before, _active[0] = _active[0], self
         try:
             yield
         finally:
+            _active[0] = before
             for name, fn in originals.items():
                 setattr(gp, name, fn)
 
@@ -164,59 +176,6 @@ class Session:
             return track(timeline=timeline or self.timeline, modules=modules or self.modules)
 
         return tracked
-
-    def _reporting(self, name: str, call):
-        """``call``, showing each report it makes as it makes it: one, or one a pass for
-        a per-loss helper (``pass 2``)."""
-        each = name in _EACH
-
-        @functools.wraps(call)
-        def reporting(*args, **kwargs):
-            frame = sys._getframe(1)
-            where = f"{os.path.basename(frame.f_code.co_filename)}:{frame.f_lineno}"
-            given = args[0] if args else kwargs.get(_FIRST[name])
-            y = listed(given)  # a generator: read here, once, for the call and the pictures
-            if y is not given:
-                args, kwargs = ((y, *args[1:]), kwargs) if args else (args, {**kwargs, _FIRST[name]: y})
-            if each and isinstance(y, (list, tuple)) and any(callable(t) for t in y):
-                y = None  # heads a callable builds are built and freed inside the call
-            passes = itertools.count(1)
-            first = []
-
-            def shown(report, relabels):
-                if relabels is not None:
-                    self._relabelled(report, relabels)
-                elif not report.dry_run:  # an explain() in a head's callable says what it says
-                    self._show(name, where, y, report, f"pass {next(passes)}" if each else "",
-                               counted=not first)
-                    first.append(report)
-
-            with capturing(shown):
-                return call(*args, **kwargs)
-
-        return reporting
-
-    def _shown_pruning(self):
-        session = self
-
-        class ShownPruning(_pruning.Pruning):
-            """``pruning()``'s block, showing each routed call's report as it is made."""
-
-            def _routed(self, site, call, arguments, run):
-                where = "<unknown>" if site is None else (
-                    f"{os.path.basename(site.f_code.co_filename)}:{site.f_lineno}")
-                first = []
-
-                def shown(report, relabels):
-                    if relabels is None and not report.dry_run:
-                        session._show("pruning", where, arguments[_ROUTED_OUTPUT[call]], report,
-                                      f"routed {call}", counted=not first)
-                        first.append(report)
-
-                with capturing(shown):
-                    return super()._routed(site, call, arguments, run)
-
-        return ShownPruning
 
     def _show(self, name: str, where: str, y, report: PruneReport, detail: str = "",
               counted: bool = True) -> None:
@@ -228,14 +187,27 @@ class Session:
         lines = [head, *("    " + s for s in str(report).splitlines())]
         if self.timeline is not None:
             self.timeline.mark(f"{name} at {where}" + (f", {detail}" if detail else ""))
-        if self.svg_dir and y is None:
-            lines.append("    picture: none (the losses are callables: their heads are built and freed "
-                         "inside the call)")
-        elif self.svg_dir:
-            path = os.path.join(self.svg_dir, f"{n:02d}-{name}-{where.replace(':', '-')}.{self.fmt}")
-            gp.render(y, path=path, report=report, title=f"{head}: {format_bytes(report.bytes_freed)} freed")
-            lines.append(f"    picture: {path}")
+        if self.svg_dir:
+            lines.append("    picture: " + self._picture(name, where, y, report, head, n))
         print("\n".join(lines), flush=True)
+
+    def _picture(self, name: str, where: str, y, report: PruneReport, head: str, n: int) -> str:
+        """Draw the graph of ``y``'s outputs that have one; the path, or why there is none.
+        Drawing runs inside the call (between a helper's passes): what it raises is said
+        here, never raised into the script."""
+        if y is None:
+            return "none (the losses are callables: their heads are built and freed inside the call)"
+        drawn = [t for t in (y if isinstance(y, (list, tuple)) else [y])
+                 if isinstance(t, GradientEdge) or (isinstance(t, torch.Tensor) and t.grad_fn is not None)]
+        if not drawn:
+            return "none (no output has a graph: a leaf's pass only writes its .grad)"
+        path = os.path.join(self.svg_dir, f"{n:02d}-{name}-{where.replace(':', '-')}.{self.fmt}")
+        try:
+            gp.render(drawn, path=path, report=report,
+                      title=f"{head}: {format_bytes(report.bytes_freed)} freed")
+        except Exception as e:  # an observer: the script goes on as it would without the CLI
+            return f"none (drawing it failed: {type(e).__name__}: {e})"
+        return path
 
     def _relabelled(self, report: PruneReport, old: PruneReport) -> None:
         """A per-loss helper labelled the report of the pass just shown with its strategy."""
@@ -257,3 +229,70 @@ class Session:
             text += (" (the script made no prune_after/backward/grad/backward_each/grads_each call, "
                      "and no pruning() block routed one)")
         print(text, flush=True)
+
+
+_active: list = [None]  # the Session of the run in progress (NOTE [ How the CLI turns tracking on ])
+
+
+def _where(frame) -> str:
+    """``file.py:line`` of the first frame from ``frame`` outwards outside graphprune (a
+    call ``graphprune.distributed`` makes is filed at the user's call of it)."""
+    while frame is not None and frame.f_code.co_filename.startswith(_OWN_DIR):
+        frame = frame.f_back
+    return "<unknown>" if frame is None else f"{os.path.basename(frame.f_code.co_filename)}:{frame.f_lineno}"
+
+
+def _reporting(name: str, call):
+    """``call``, showing in the run in progress each report it makes as it makes it: one,
+    or one a pass for a per-loss helper (``pass 2``); outside a run, ``call`` as it is
+    (a module that imported the function during a run keeps this one)."""
+    each = name in _EACH
+
+    @functools.wraps(call)
+    def reporting(*args, **kwargs):
+        session = _active[0]
+        if session is None:
+            return call(*args, **kwargs)
+        where = _where(sys._getframe(1))
+        given = args[0] if args else kwargs.get(_FIRST[name])
+        y = listed(given)  # a generator: read here, once, for the call and the pictures
+        if y is not given:
+            args, kwargs = ((y, *args[1:]), kwargs) if args else (args, {**kwargs, _FIRST[name]: y})
+        if each and isinstance(y, (list, tuple)) and any(callable(t) for t in y):
+            y = None  # heads a callable builds are built and freed inside the call
+        passes = itertools.count(1)
+        first = []
+
+        def shown(report, relabels):
+            if relabels is not None:
+                session._relabelled(report, relabels)
+            elif not report.dry_run:  # an explain() in a head's callable says what it says
+                session._show(name, where, y, report, f"pass {next(passes)}" if each else "",
+                              counted=not first)
+                first.append(report)
+
+        with capturing(shown):
+            return call(*args, **kwargs)
+
+    return reporting
+
+
+class _ShownPruning(_pruning.Pruning):
+    """``pruning()``'s block in a run: each routed call's report shown as it is made."""
+
+    def _routed(self, site, call, arguments, run):
+        session = _active[0]
+        if session is None:
+            return super()._routed(site, call, arguments, run)
+        where = "<unknown>" if site is None else (
+            f"{os.path.basename(site.f_code.co_filename)}:{site.f_lineno}")
+        first = []
+
+        def shown(report, relabels):
+            if relabels is None and not report.dry_run:
+                session._show("pruning", where, arguments[_ROUTED_OUTPUT[call]], report, f"routed {call}",
+                              counted=not first)
+                first.append(report)
+
+        with capturing(shown):
+            return super()._routed(site, call, arguments, run)

@@ -8,6 +8,7 @@ import sys
 import textwrap
 import xml.etree.ElementTree as ET
 
+import torch
 from test_render import parse_dot
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -173,3 +174,69 @@ def test_a_helper_inside_a_helpers_callable_and_a_helper_that_raises_are_reporte
     assert "[5] graphprune.grads_each at train.py:22, pass 1\n" in out
     assert "[6]" not in out
     assert "graphprune explain: 3 call(s) (5 report(s))" in out
+
+
+LEAF_OUTPUT = """\
+import torch
+import graphprune as gp
+
+w = torch.ones(4, requires_grad=True)
+with gp.track():
+    y = (w.exp() ** 2).sum()
+gp.backward([y, w], [torch.ones(()), torch.ones(4)])  # a leaf among the outputs, as torch takes
+print("grad", w.grad[0].item())
+"""
+
+
+def test_a_leaf_among_the_outputs_is_left_out_of_the_picture(tmp_path):
+    out_dir = tmp_path / "pictures"
+    proc = explain(tmp_path, LEAF_OUTPUT, "--svg", str(out_dir), "--format", "dot")
+    assert proc.returncode == 0, proc.stderr
+    assert "grad 15.7" in proc.stdout  # 2 e^2 + 1: the script ran on past its call
+    assert f"    picture: {out_dir / '01-backward-train.py-7.dot'}" in proc.stdout
+
+
+def test_sys_exit_with_a_message_prints_it(tmp_path):
+    proc = explain(tmp_path, "import sys\nsys.exit('fatal: bad config')\n")
+    assert proc.returncode == 1 and "fatal: bad config" in proc.stderr
+
+
+def test_a_function_imported_by_name_during_a_run_reports_to_the_run_in_progress(tmp_path, monkeypatch,
+                                                                                 capsys):
+    # a module that ran `from graphprune import backward` during a run keeps the CLI's
+    # function: in a later run it reports there, numbered by that run; outside any run
+    # it is graphprune's own
+    import importlib
+    import sys
+
+    import graphprune as gp
+    from graphprune import _cli
+
+    (tmp_path / "mylib.py").write_text(
+        "from graphprune import backward\n\ndef step(y):\n    return backward(y)\n")
+    (tmp_path / "train.py").write_text(textwrap.dedent("""\
+        import torch
+        import graphprune as gp
+        import mylib
+
+        w = torch.ones(4, requires_grad=True)
+        with gp.track():
+            x = w.exp()
+        mylib.step((x * x).sum())
+        """))
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.delitem(sys.modules, "mylib", raising=False)
+    original = gp.backward
+    for run in range(2):
+        assert _cli.main(["explain", "train.py"]) == 0
+        out = capsys.readouterr().out
+        assert "[1] graphprune.backward at mylib.py:4\n" in out, (run, out)
+        assert "graphprune explain: 1 call(s)" in out
+    assert gp.backward is original
+    mylib = importlib.import_module("mylib")
+    w = torch.ones(4, requires_grad=True)
+    with gp.track():
+        x = w.exp()
+    assert isinstance(mylib.step((x * x).sum()), gp.PruneReport)
+    assert capsys.readouterr().out == ""  # outside a run: graphprune's own function, silent
