@@ -289,23 +289,23 @@ def _remember(report: PruneReport, retain_graph=None) -> PruneReport:
         held = (KeptReason("retain_graph=True keeps the whole graph", sum(r.nodes for r in report.kept),
                            report.bytes_kept, frozenset().union(*(r.node_ids for r in report.kept))),)
         report = dataclasses.replace(report, kept=held)
-    _last.report = report
-    captures = getattr(_last, "captures", None)
-    if captures:
-        captures[-1](report, None)
-    return report
+    return _keep_last(report)
 
 
 def _relabel(report: PruneReport, strategy: str) -> PruneReport:
     """``report``, which a per-loss helper's pass just made, labelled with the helper's
     ``strategy``: what :func:`last_report` gives from now on; the innermost
     :func:`capturing` block gets it as a relabel of ``report`` (the same pass)."""
-    labelled = dataclasses.replace(report, strategy=strategy)
-    _last.report = labelled
+    return _keep_last(dataclasses.replace(report, strategy=strategy), relabels=report)
+
+
+def _keep_last(report: PruneReport, relabels: PruneReport | None = None) -> PruneReport:
+    """``report`` as this thread's last, told to the innermost :func:`capturing` block."""
+    _last.report = report
     captures = getattr(_last, "captures", None)
     if captures:
-        captures[-1](labelled, report)
-    return labelled
+        captures[-1](report, relabels)
+    return report
 
 
 @contextlib.contextmanager
