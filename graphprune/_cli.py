@@ -11,8 +11,9 @@ make tensors it built outside its tapes protect graphs they do not protect in a 
 run. A script with no ``track(`` call in its source runs inside one tape, from its first
 line to its last. ``--track all`` / ``--track script`` force either. Either way the CLI
 replaces ``graphprune.prune_after``, ``backward``, ``grad``, ``backward_each``,
-``grads_each``, ``pruning`` (and, for ``--svg`` or ``--modules``, ``track``) in the
-graphprune module for the run, the way a profiler does: a script that calls
+``grads_each``, ``pruning`` (and, for ``--svg`` or ``--modules``, ``track``, and the
+tape a per-loss helper opens for a head a callable builds) in the graphprune module for
+the run, the way a profiler does: a script that calls
 ``gp.backward(...)`` gets the reporting version; a module that imported one of them by
 name during a run (``from graphprune import backward``, as ``graphprune.distributed``
 does) keeps it, which reports to the run in progress and, outside any, is the function
@@ -39,7 +40,7 @@ from torch.autograd.graph import GradientEdge
 
 import graphprune as gp
 
-from . import _pruning
+from . import _each, _pruning
 from ._plan import listed
 from ._prune import capturing
 from ._report import PruneReport, format_bytes
@@ -160,13 +161,16 @@ class Session:
         for name in (*_CALLS, *_EACH):
             setattr(gp, name, _reporting(name, originals[name]))
         gp.pruning = functools.wraps(originals["pruning"])(lambda *, keep=None: _ShownPruning(keep))
+        heads_track = _each.track  # the tape a per-loss helper opens for a head a callable builds
         if self.timeline is not None or self.modules:
             gp.track = self._track(originals["track"])
+            _each.track = self._track(heads_track)
         before, _active[0] = _active[0], self
         try:
             yield
         finally:
             _active[0] = before
+            _each.track = heads_track
             for name, fn in originals.items():
                 setattr(gp, name, fn)
 

@@ -240,3 +240,26 @@ def test_a_function_imported_by_name_during_a_run_reports_to_the_run_in_progress
         x = w.exp()
     assert isinstance(mylib.step((x * x).sum()), gp.PruneReport)
     assert capsys.readouterr().out == ""  # outside a run: graphprune's own function, silent
+
+
+def test_heads_a_helpers_callables_build_are_on_the_timeline(tmp_path):
+    # a per-loss helper opens its own tape for a head a callable builds: with --svg its
+    # saved tensors are counted on the run's timeline (they were not: the timeline's peak
+    # was the trunk's alone)
+    import sys
+
+    import graphprune as gp
+    from graphprune import _cli
+
+    session = _cli.Session(str(tmp_path), "dot", False)
+    w = torch.ones(256, requires_grad=True)
+    with session.patched():
+        with gp.track():  # the run's track(), with its timeline
+            x = w.exp()  # the trunk saves its output: 1 KiB
+        trunk = session.timeline.peak
+        line = sys._getframe().f_lineno + 1  # the helper's call, below
+        gp.backward_each([lambda: (x * 2).sin().sum(), lambda: (x * 3).sin().sum()])
+    assert trunk == 1024
+    assert session.timeline.peak == 2 * trunk  # and a head's: x * 2, which its sin saves
+    assert [e.label for e in session.timeline.events if e.kind == "mark"] == [
+        f"backward_each at test_cli.py:{line}, pass {i}" for i in (1, 2, 3)]
