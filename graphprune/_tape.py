@@ -26,6 +26,8 @@ __all__ = ["Tape", "track"]
 _tape_ids = itertools.count(1)
 _OWN_FILE = f'"{__file__}"'
 _CALL_NAME = ", in _graphprune_call\n"
+_OVERRIDES_FILE = f'"{torch.overrides.__file__}"'
+_HANDLER_NAME = ", in handle_torch_function\n"
 _NoSubclassDispatch = torch._C.DisableTorchFunctionSubclass
 # torch.compiler.is_compiling() in two reads where this torch has them: False, or
 # True where Dynamo traces the recorder (it folds is_dynamo_compiling) or export runs
@@ -263,7 +265,24 @@ def _drop_own_frames(out) -> None:
             children(fn)  # a wrapper made in the forward: NOTE [ Deep graphs and Python wrappers ]
             stack = fn.metadata.get("traceback_")
             if stack:
-                fn.metadata["traceback_"] = [f for f in stack if _OWN_FILE not in f and _CALL_NAME not in f]
+                fn.metadata["traceback_"] = _as_plain(stack)
+
+
+def _as_plain(stack: list[str]) -> list[str]:
+    """A forward traceback anomaly mode recorded, as a plain run records it: without the
+    recorder's frames and its call-site function's, and for a torch function written in
+    Python (``F.softmax``), which reached the mode through ``handle_torch_function`` and
+    runs again inside it, without that frame and its caller's first run."""
+    kept: list[str] = []
+    for frame in stack:
+        if _OWN_FILE in frame or _CALL_NAME in frame:
+            continue
+        if _OVERRIDES_FILE in frame and _HANDLER_NAME in frame:
+            if kept:
+                kept.pop()
+            continue
+        kept.append(frame)
+    return kept
 
 
 def _note_call(out, args, frame) -> None:
@@ -315,6 +334,8 @@ def _call_setitem(call, func, args, kwargs):
         except RuntimeError:  # a view made under no_grad, modified in place
             pass
     _note_safely(out, args)
+    if _anomaly_enabled():  # the CopySlices it made is the target's node now
+        _drop_own_frames(target)
     return out
 
 
@@ -388,6 +409,11 @@ def _call_inplace_on_view(call, func, args, kwargs):
             if node is not None and node.name().endswith("CopySlices"):
                 attach_hidden(node, packed)
     _note_safely(out, args)
+    if _anomaly_enabled() and isinstance(out, _Tensor):  # and the CopySlices it made, the base's node
+        with _NoSubclassDispatch():
+            base = out._base
+        if base is not None:
+            _drop_own_frames(base)
     return out
 
 

@@ -767,6 +767,37 @@ def test_detect_anomaly_inplace_error():
     assert any("Error detected in SigmoidBackward0" in w[1] for w in plain.warnings)
 
 
+def _forward_frames(t: torch.Tensor) -> list[str]:
+    """The first line of each frame anomaly mode recorded for ``t``'s node."""
+    return [frame.splitlines()[0].strip() for frame in t.grad_fn.metadata.get("traceback_", [])]
+
+
+def test_anomaly_tracebacks_of_the_nodes_an_item_assignment_and_an_in_place_op_on_a_view_make():
+    # both make a CopySlices on the base, whose forward traceback kept graphprune's frames
+    def fn():
+        with torch.autograd.set_detect_anomaly(True):
+            x = torch.ones(4, requires_grad=True)
+            h = x * 2
+            h[0] = x[1] * 3
+            g = x * 2
+            g[1:3].mul_(2)
+        return [_forward_frames(h), _forward_frames(g)]
+
+    frames = both(fn).value
+    assert all(name.endswith("in fn") for name in (frames[0][-1], frames[1][-1]))
+
+
+def test_anomaly_traceback_of_a_torch_function_written_in_python():
+    # F.softmax reaches the recorder through handle_torch_function and runs again inside it
+    def fn():
+        with torch.autograd.set_detect_anomaly(True):
+            y = torch.nn.functional.softmax(torch.ones(4, requires_grad=True) * 2, dim=0)
+        return _forward_frames(y)
+
+    frames = both(fn).value
+    assert frames[-1].endswith("in softmax") and frames[-2].endswith("in fn")
+
+
 # -- global modes around tracked code -----------------------------------------------------------
 
 
