@@ -267,12 +267,12 @@ def _reporting(name: str, call):
         passes = itertools.count(1)
         first = []
 
-        def shown(report, relabels):
+        def shown(report, relabels, ran):
             if relabels is not None:
                 session._relabelled(report, relabels)
             elif not report.dry_run:  # an explain() in a head's callable says what it says
-                session._show(name, where, y, report, f"pass {next(passes)}" if each else "",
-                              counted=not first)
+                detail = "" if not each else f"pass {next(passes)}" if ran else "after the passes"
+                session._show(name, where, y, report, detail, counted=not first)
                 first.append(report)
 
         with capturing(shown):
@@ -292,7 +292,7 @@ class _ShownPruning(_pruning.Pruning):
             f"{os.path.basename(site.f_code.co_filename)}:{site.f_lineno}")
         first = []
 
-        def shown(report, relabels):
+        def shown(report, relabels, ran):
             if relabels is None and not report.dry_run:
                 session._show("pruning", where, arguments[_ROUTED_OUTPUT[call]], report, f"routed {call}",
                               counted=not first)

@@ -189,7 +189,7 @@ def _backward_each(losses, keep, strategy: str, notes: list) -> list[PruneReport
             report = plan.report(call, dry_run=False)
             plan.release()
             text = f"cut: {len(items)} head pass(es), the trunk released after the last{why}"
-            reports.append(_remember(dataclasses.replace(report, strategy=text)))
+            reports.append(_remember(dataclasses.replace(report, strategy=text), ran=False))
         return reports
     cut.clear()
     _, report = _pass(call, None, keep, (), lambda: torch.autograd.backward(edges, grads, retain_graph=True),
@@ -500,7 +500,7 @@ def _whole_passes(call: str, heads, count: int, keep, run, lazy: bool, notes: li
         report = plan.report(call, dry_run=False)
         plan.release()
         if report.released_node_count:
-            out.append((None, _remember(report)))
+            out.append((None, _remember(report, ran=False)))
     return out
 
 

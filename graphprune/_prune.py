@@ -284,12 +284,14 @@ def _keep_for(call: str, keep, retain_graph, outputs):
     return list(outputs) if retain_graph else []
 
 
-def _remember(report: PruneReport, retain_graph=None) -> PruneReport:
+def _remember(report: PruneReport, retain_graph=None, ran: bool = True) -> PruneReport:
+    """``report`` as this thread's last (:func:`last_report`); ``ran=False``: a release
+    no pass made (what a per-loss helper's last pass left of the trunk)."""
     if retain_graph:
         held = (KeptReason("retain_graph=True keeps the whole graph", sum(r.nodes for r in report.kept),
                            report.bytes_kept, frozenset().union(*(r.node_ids for r in report.kept))),)
         report = dataclasses.replace(report, kept=held)
-    return _keep_last(report)
+    return _keep_last(report, ran=ran)
 
 
 def _relabel(report: PruneReport, strategy: str) -> PruneReport:
@@ -299,20 +301,21 @@ def _relabel(report: PruneReport, strategy: str) -> PruneReport:
     return _keep_last(dataclasses.replace(report, strategy=strategy), relabels=report)
 
 
-def _keep_last(report: PruneReport, relabels: PruneReport | None = None) -> PruneReport:
+def _keep_last(report: PruneReport, relabels: PruneReport | None = None, ran: bool = True) -> PruneReport:
     """``report`` as this thread's last, told to the innermost :func:`capturing` block."""
     _last.report = report
     captures = getattr(_last, "captures", None)
     if captures:
-        captures[-1](report, relabels)
+        captures[-1](report, relabels, ran)
     return report
 
 
 @contextlib.contextmanager
 def capturing(on_report):
-    """While the block is open, ``on_report(report, relabels)`` gets each report this
-    thread's calls make, as they make it (``relabels``: ``None``, or the report that
-    ``report`` labels, :func:`_relabel`); a block opened inside it gets those of the
+    """While the block is open, ``on_report(report, relabels, ran)`` gets each report
+    this thread's calls make, as they make it (``relabels``: ``None``, or the report that
+    ``report`` labels, :func:`_relabel`; ``ran``: a pass made it, not a release after the
+    passes); a block opened inside it gets those of the
     calls made inside instead. For the CLI: the passes of ``grads_each`` and of a
     ``pruning()`` block return no report."""
     captures = getattr(_last, "captures", None)

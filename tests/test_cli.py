@@ -263,3 +263,24 @@ def test_heads_a_helpers_callables_build_are_on_the_timeline(tmp_path):
     assert session.timeline.peak == 2 * trunk  # and a head's: x * 2, which its sin saves
     assert [e.label for e in session.timeline.events if e.kind == "mark"] == [
         f"backward_each at test_cli.py:{line}, pass {i}" for i in (1, 2, 3)]
+
+
+DEEPER_TAP = """\
+import torch
+import graphprune as gp
+
+w = torch.ones(4, requires_grad=True)
+with gp.track():
+    x = w.exp()
+    z = x.sin()  # the first head's tap: deeper than the last head's, x
+gp.grads_each([lambda: (z * z).sum(), lambda: (x * x).sum()], w)
+"""
+
+
+def test_what_a_helper_releases_after_its_passes_is_not_called_a_pass(tmp_path):
+    # the last pass does not reach the first head's tap: the helper releases what is left
+    # of the trunk after it, without a pass
+    proc = explain(tmp_path, DEEPER_TAP)
+    assert proc.returncode == 0, proc.stderr
+    assert "[2] graphprune.grads_each at train.py:8, pass 2\n" in proc.stdout
+    assert "[3] graphprune.grads_each at train.py:8, after the passes\n" in proc.stdout
