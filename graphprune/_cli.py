@@ -35,13 +35,10 @@ import os
 import runpy
 import sys
 
-import torch
-from torch.autograd.graph import GradientEdge
-
 import graphprune as gp
 
 from . import _each, _pruning
-from ._plan import listed
+from ._plan import as_outputs, listed
 from ._prune import capturing
 from ._report import PruneReport, format_bytes
 
@@ -201,13 +198,12 @@ class Session:
         here, never raised into the script."""
         if y is None:
             return "none (the losses are callables: their heads are built and freed inside the call)"
-        drawn = [t for t in (y if isinstance(y, (list, tuple)) else [y])
-                 if isinstance(t, GradientEdge) or (isinstance(t, torch.Tensor) and t.grad_fn is not None)]
-        if not drawn:
-            return "none (no output has a graph: a leaf's pass only writes its .grad)"
         path = os.path.join(self.svg_dir, f"{n:02d}-{name}-{where.replace(':', '-')}.{self.fmt}")
         try:
-            gp.render(drawn, path=path, report=report,
+            tensors, edges = as_outputs(y, "graphprune explain", "y", leaves=True)
+            if not tensors and not edges:
+                return "none (no output has a graph: a leaf's pass only writes its .grad)"
+            gp.render([*tensors, *edges], path=path, report=report,
                       title=f"{head}: {format_bytes(report.bytes_freed)} freed")
         except Exception as e:  # an observer: the script goes on as it would without the CLI
             return f"none (drawing it failed: {type(e).__name__}: {e})"
@@ -243,6 +239,11 @@ def _where(frame) -> str:
     call ``graphprune.distributed`` makes is filed at the user's call of it)."""
     while frame is not None and frame.f_code.co_filename.startswith(_OWN_DIR):
         frame = frame.f_back
+    return _line(frame)
+
+
+def _line(frame) -> str:
+    """``file.py:line`` of ``frame``, or ``<unknown>`` for none."""
     return "<unknown>" if frame is None else f"{os.path.basename(frame.f_code.co_filename)}:{frame.f_lineno}"
 
 
@@ -288,8 +289,7 @@ class _ShownPruning(_pruning.Pruning):
         session = _active[0]
         if session is None:
             return super()._routed(site, call, arguments, run)
-        where = "<unknown>" if site is None else (
-            f"{os.path.basename(site.f_code.co_filename)}:{site.f_lineno}")
+        where = _line(site)
         first = []
 
         def shown(report, relabels, ran):

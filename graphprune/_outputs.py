@@ -96,13 +96,12 @@ _library_files: dict[str, bool] = {}  # a code object's file -> inside a library
 # read and no call per frame of the walk ``note_one`` makes up the module stack).
 
 
-def note(tensors, ours: bool = True, frame=None) -> None:
+def note(tensors, ours: bool = True) -> None:
     """Note ``tensors`` as live outputs; ``ours=False`` for tensors made before any
-    tape opened, noted only so that they are not looked at again. ``frame``: the
-    torch call's caller, where the recorder has it (``note_one``)."""
+    tape opened, noted only so that they are not looked at again."""
     for t in tensors:
         if ours:
-            note_one(t, frame)
+            note_one(t)
         elif not weakref.getweakrefcount(t) or output_of(t) is None:
             ref = Output(t)
             ref.code, ref.lasti = None, -1

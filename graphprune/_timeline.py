@@ -24,7 +24,7 @@ from typing import NamedTuple
 
 import torch
 
-from ._saved import SavedHandle, pack_hook, storage_of
+from ._saved import SavedHandle, _modes_on, _NoTorchFunction, pack_hook, storage_of
 
 __all__ = ["Timeline", "Event", "plot_timeline"]
 
@@ -37,9 +37,6 @@ class Event(NamedTuple):
     kind: str  # "pack", "free" or "mark"
     label: str  # a mark's label; "" for the others
     in_backward: bool  # inside a backward pass (PyTorch's engine was running)
-
-
-_modes_on = getattr(torch._C, "_len_torch_function_stack", lambda: 0)
 
 
 class Timeline:
@@ -103,7 +100,7 @@ class Timeline:
 
         def timed_pack(t: torch.Tensor) -> SavedHandle:
             if _modes_on() and type(t) is torch.Tensor:  # NOTE [ Reads no mode sees ] in _saved.py
-                with torch._C.DisableTorchFunction():
+                with _NoTorchFunction():
                     return counted(t)
             return counted(t)
 
