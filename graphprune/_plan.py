@@ -221,7 +221,7 @@ class Plan:
             part, trunk = _classify(self.reach, self.protected), None
         else:
             part = _classify(self._head, self.protected)
-            trunk = walked.measured(functools.partial(_classify, protected=self.protected))
+            trunk = walked.measured(_classify_kept)
         by_node, kept_nodes, kept_by = part.by_node, part.kept_nodes, part.kept_by
         # the protected roots' reasons nearest first, then the kinds graphprune does not hold
         order = sorted({**kept_nodes, **(trunk.counts if trunk else {})}, key=_reason_rank)
@@ -503,6 +503,16 @@ class _Part:
 _BRANCH = object()  # _classify: a node no protected root reaches
 
 
+def _one_saved(node, attr: str):
+    """What the pack hook returned for the one tensor ``node`` saved, at ``attr``;
+    ``None`` where a pass that did not retain the graph freed it."""
+    try:
+        value = getattr(node, attr)
+    except RuntimeError:
+        return None
+    return value.data if type(value) is _SavedTensor else None
+
+
 def _classify(nodes, protected: dict) -> _Part:
     """Sort ``nodes`` into the branch (a node no protected root reaches, whose tensors
     graphprune holds) and the kept, by reason."""
@@ -521,14 +531,8 @@ def _classify(nodes, protected: dict) -> _Part:
                     last, (nodes_of, handles_of) = key, part.lists(key)
                 nodes_of.append(node)
             continue
-        attr, p = one_of(node_type), None
-        if attr is not None:  # saved()'s common case, inline: one tensor, in a handle
-            try:
-                value = getattr(node, attr)
-                if type(value) is _SavedTensor:
-                    p = value.data
-            except RuntimeError:  # freed by a pass that did not retain the graph
-                pass
+        attr = one_of(node_type)
+        p = None if attr is None else _one_saved(node, attr)  # saved()'s common case: one handle
         if type(p) is SavedHandle:
             live, kind = [p] if p.tensor is not None else NOTHING_SAVED, TRACKED
             tracked = True
@@ -563,6 +567,44 @@ def _classify(nodes, protected: dict) -> _Part:
             handles_of += live
     if tracked:
         kinds.add(TRACKED)
+    return part
+
+
+def _classify_kept(nodes, key) -> _Part:
+    """:func:`_classify` of ``nodes`` that one protected root reaches, all of them
+    (a trunk below ``keep=``'s node, whose walk labels every node ``key``): no node is
+    the branch's, so only the nodes that save tensors are read, and the kept nodes of
+    ``key`` are all the others than the foreign and untracked ones."""
+    part = _Part()
+    kinds = part.kinds
+    one_of = saves_one.get
+    tracked = False
+    handles_of: list = []
+    elsewhere: set = set()  # the nodes kept for their kind, not for key
+    for node in [node for node in nodes if type(node) not in saves_nothing]:
+        attr = one_of(type(node))
+        p = None if attr is None else _one_saved(node, attr)
+        if type(p) is SavedHandle:
+            tracked = True
+            if p.tensor is not None:
+                handles_of.append(p)
+            continue
+        handles, kind = saved(node)
+        if handles or kind is not TRACKED:
+            kinds.add(kind)
+        live = [h for h in handles if h.tensor is not None]
+        if kind is TRACKED:
+            handles_of += live
+            continue
+        elsewhere.add(node)
+        nodes_of, kind_handles = part.lists(_FOREIGN_REASON if kind is FOREIGN else _UNTRACKED_REASON)
+        nodes_of.append(node)
+        kind_handles += live
+    if tracked:
+        kinds.add(TRACKED)
+    mine = list(nodes) if not elsewhere else [node for node in nodes if node not in elsewhere]
+    if mine:
+        part.kept_nodes[key], part.kept_by[key] = mine, handles_of
     return part
 
 

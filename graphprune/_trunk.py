@@ -66,10 +66,11 @@ class _Walked:
     def measured(self, classify) -> _Kept:
         """What the nodes below the root keep, by reason: measured again only where a
         handle it counted has gone since (released, or freed by a pass that did not
-        retain the graph). ``classify`` is ``_plan._classify`` with the protected nodes."""
+        retain the graph). ``classify`` is ``_plan._classify_kept``: the walk labels
+        every node below the root with the root's number, 0."""
         kept = self.kept
         if kept is None or not kept.valid():
-            part = classify(list(self.below))
+            part = classify(self.below, 0)
             # a node whose tensors other hooks or PyTorch hold has no handle to tell
             # that a plain pass freed them: such a trunk is measured at every prune
             kept = _Kept(part, held=part.kinds <= {TRACKED})

@@ -320,10 +320,16 @@ def test_the_next_heads_prune_does_not_walk_the_trunk_again(monkeypatch):
         read.append(len(nodes))
         return classify(nodes, protected)
 
-    classify = _plan._classify
+    def counting_classify_kept(nodes, key):
+        nodes = list(nodes)
+        read.append(len(nodes))
+        return classify_kept(nodes, key)
+
+    classify, classify_kept = _plan._classify, _plan._classify_kept
     monkeypatch.setattr(_trunk, "reach", counting_reach)
     monkeypatch.setattr(_plan, "reach", counting_reach)
     monkeypatch.setattr(_plan, "_classify", counting_classify)
+    monkeypatch.setattr(_plan, "_classify_kept", counting_classify_kept)
     w = torch.randn(8, requires_grad=True)
     with gp.track():
         h = w
