@@ -12,6 +12,7 @@ finished output alone needs::
 
 from importlib.metadata import PackageNotFoundError, version
 
+from . import _requires  # noqa: F401  (first: it refuses a torch too old, by name)
 from ._each import backward_each, grads_each
 from ._prune import backward, explain, grad, last_report, prune_after
 from ._pruning import pruning

@@ -25,6 +25,7 @@ from __future__ import annotations
 import operator
 from typing import Callable
 
+import numpy as np
 import torch
 
 __all__ = [
@@ -272,13 +273,14 @@ def _written(key, shape: tuple):
             continue
         try:
             if not isinstance(k, slice):
-                if isinstance(k, (bool, torch.Tensor)) or not hasattr(k, "__index__"):
-                    return None  # tensors, lists, None, Ellipsis: not worth routing
+                if isinstance(k, (bool, np.bool_, torch.Tensor)) or not hasattr(k, "__index__"):
+                    return None  # masks, tensors, lists, None, Ellipsis: not worth routing
+                # (numpy 1.x gives np.bool_ an __index__: 1 for the mask PyTorch takes it as)
                 k = operator.index(k)
                 indices = frozenset((k % shape[d],)) if -shape[d] <= k < shape[d] else None
             else:
                 indices = frozenset(range(*k.indices(shape[d])))
-        except (TypeError, ValueError):  # __index__ that refuses (a numpy array, np.bool_)
+        except (TypeError, ValueError):  # __index__ that refuses (a numpy array)
             return None  # PyTorch took the key as an index array or a mask: not routed
         if not all(r is Ellipsis or (isinstance(r, slice) and r == slice(None)) for r in items[i + 1:]):
             return None  # a block of the dim's entries, not whole ones: not routed

@@ -79,7 +79,7 @@ def _own_pack_hook():
 # (a logging mode, ``torch.device(...)``) as calls the program never made. With a mode
 # below, the recorder runs with torch-function dispatch off, and the call itself in the
 # state its caller had: the modes below see the calls a plain run makes, and only those.
-# (a torch without the state's bindings, older than 2.5: the modes below see the reads)
+# (a torch without these private bindings: the modes below see the reads)
 _STATE_BINDINGS = all(hasattr(torch._C, name) for name in (
     "_len_torch_function_stack", "_get_torch_function_state", "_set_torch_function_state",
     "_TorchFunctionState"))

@@ -2,7 +2,9 @@
 (NOTE [ Gradient routing ] in ``graphprune/_routing.py``)."""
 
 import contextlib
+import warnings
 
+import numpy as np
 import pytest
 import torch
 from hypothesis import given, settings
@@ -324,3 +326,15 @@ def test_random_multi_head_graphs_match_plain(T, gather, pick, order, shared_tap
         return out
 
     assert_close(run(True), run(False))
+
+
+def test_a_numpy_bool_key_is_a_mask_not_an_index():
+    # numpy 1.x gives np.True_ an __index__ (1, with a DeprecationWarning): routing took
+    # x[np.True_] = v, which PyTorch reads as a mask over the whole tensor, as a write of
+    # row 1, and track() showed numpy's warning from graphprune's own line
+    _written = _routing._written
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert _written(np.True_, (3, 2)) is None
+        assert _written((np.False_, 0), (3, 2)) is None
+    assert _written(np.int64(1), (3, 2)) == (0, frozenset({1}), 3)

@@ -1,5 +1,7 @@
 """The README's support table, row by row: what works under graphprune, checked here."""
 
+import re
+
 import pytest
 import torch
 from torch import nn
@@ -53,3 +55,28 @@ def test_data_parallel_on_cpu_runs_the_module_in_this_thread_and_is_tracked():
         l1, l2 = x.exp().sum(), x.sum()
     assert gp.backward(l1).released_node_count == 1  # ExpBackward0; the module's graph stays for l2
     l2.backward()
+
+
+
+def test_an_older_torch_is_refused_at_import_with_the_release_it_needs():
+    # torch 2.10-2.12 imported graphprune and raised where plain PyTorch does not (a prune
+    # released a trunk it was told to keep); 2.2-2.9 failed at the first prune, deep in a walk
+    from graphprune._requires import require_torch
+
+    for old in ("2.12.1+cu130", "2.9.1", "2.1.2+cu121", "1.13.1"):
+        with pytest.raises(ImportError, match=rf"needs torch>=2\.13, and this is torch {re.escape(old)}:"):
+            require_torch(old)
+    for new in ("2.13.0+cpu", "2.13.0a0+git1234567", "2.14.1", "2.20.0", torch.__version__):
+        require_torch(new)
+
+
+def test_setup_cfg_asks_for_the_torch_the_import_needs():
+    import configparser
+    import pathlib
+
+    from graphprune._requires import MIN_TORCH
+
+    cfg = configparser.ConfigParser()
+    cfg.read(pathlib.Path(__file__).parents[1] / "setup.cfg")
+    requires = [r.strip() for r in cfg["options"]["install_requires"].splitlines() if r.strip()]
+    assert f"torch>={MIN_TORCH[0]}.{MIN_TORCH[1]},<3" in requires

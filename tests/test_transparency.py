@@ -909,7 +909,8 @@ def _fork_outer(x: torch.Tensor) -> torch.Tensor:
 
 def test_jit_fork_autograd_grad():
     with warnings.catch_warnings():
-        warnings.simplefilter("ignore", DeprecationWarning)  # torch.jit.script is deprecated
+        # a DeprecationWarning on torch 2.13, a FutureWarning on 2.14
+        warnings.filterwarnings("ignore", message=r"`torch\.jit\.script` is deprecated")
         scripted = torch.jit.script(_fork_outer)
 
     def fn():
