@@ -14,7 +14,7 @@ Two behaviours of torch 2.13 that graphprune is built on, which older releases l
   raising where plain PyTorch does not.
 
 So the import fails on an older torch, naming the release it needs, rather than
-giving wrong answers.
+letting a prune fail later where plain PyTorch does not.
 """
 
 from __future__ import annotations

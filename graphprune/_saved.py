@@ -157,7 +157,7 @@ def _handle(t: torch.Tensor, tape: int) -> SavedHandle:
 # the program never made: they run with torch-function dispatch off (one check per
 # saved tensor otherwise). A subclass's tensor is read through its own
 # ``__torch_function__`` as before: its ``detach`` keeps its type for the backward.
-_modes_on = getattr(torch._C, "_len_torch_function_stack", lambda: 0)
+_modes_on = torch._C._len_torch_function_stack  # how many torch-function modes are on now
 _NoTorchFunction = torch._C.DisableTorchFunction
 _Tensor = torch.Tensor
 

@@ -17,7 +17,7 @@ from . import _outputs
 from ._graph import attach_hidden, children
 from ._marks import mark_hooked
 from ._routing import stamp_setitem
-from ._saved import SavedHandle, pack_hook
+from ._saved import SavedHandle, _modes_on, _NoTorchFunction, pack_hook
 from ._timeline import Timeline
 from ._warn import is_module_namespace
 
@@ -79,15 +79,10 @@ def _own_pack_hook():
 # (a logging mode, ``torch.device(...)``) as calls the program never made. With a mode
 # below, the recorder runs with torch-function dispatch off, and the call itself in the
 # state its caller had: the modes below see the calls a plain run makes, and only those.
-# (a torch without these private bindings: the modes below see the reads)
-_STATE_BINDINGS = all(hasattr(torch._C, name) for name in (
-    "_len_torch_function_stack", "_get_torch_function_state", "_set_torch_function_state",
-    "_TorchFunctionState"))
-_modes_below = torch._C._len_torch_function_stack if _STATE_BINDINGS else (lambda: 0)
-_torch_function_state = getattr(torch._C, "_get_torch_function_state", None)
-_set_torch_function_state = getattr(torch._C, "_set_torch_function_state", None)
-_ALL_DISABLED = torch._C._TorchFunctionState.ALL_DISABLED if _STATE_BINDINGS else None
-_NoTorchFunction = torch._C.DisableTorchFunction
+# (The pack hook's reads are kept from them the same way: NOTE [ Reads no mode sees ].)
+_torch_function_state = torch._C._get_torch_function_state
+_set_torch_function_state = torch._C._set_torch_function_state
+_ALL_DISABLED = torch._C._TorchFunctionState.ALL_DISABLED
 
 
 class _OutputRecorder(TorchFunctionMode):
@@ -115,7 +110,7 @@ class _OutputRecorder(TorchFunctionMode):
             if frame.f_code is _HANDLE_TORCH_FUNCTION and frame.f_back is not None:
                 caller = frame.f_back.f_back or frame
             call = _call_sites.get((id(caller.f_code), caller.f_lasti)) or _call_site(caller)
-        if _modes_below():  # NOTE [ Modes below the recorder ]
+        if _modes_on():  # NOTE [ Modes below the recorder ]
             state = _torch_function_state()
             with _NoTorchFunction():
                 return _record(func, args, kwargs, _in_state(call, state), frame)
