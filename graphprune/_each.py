@@ -49,7 +49,7 @@ from torch.autograd.graph import GradientEdge
 from . import _outputs, _routing
 from ._graph import FOREIGN, _is_router, is_accumulator, reach, saved
 from ._marks import is_hooked
-from ._plan import Plan, listed, no_graph_reason
+from ._plan import Plan, input_guards, listed, no_graph_reason
 from ._prune import _relabel, _remember
 from ._report import PruneReport
 from ._tape import before_hooks, track
@@ -214,7 +214,10 @@ def grads_each(losses, inputs, *, keep=None, allow_unused: bool | None = None,
     tensors (the heads' parameters, none of ``inputs``) whose gradients each pass
     accumulates into ``.grad`` as ``backward`` would, right after it, instead of
     returning them: the rows then hold only ``inputs`` (the shared parameters), and no
-    pass's gradients of the heads are held over the next.
+    pass's gradients of the heads are held over the next. With ``keep=None``, an
+    intermediate among ``inputs`` (``z``, as MGDA-UB takes the gradients at the shared
+    representation) keeps the graph below it, which no pass runs, for ``z.backward(g)``
+    after: ``torch.autograd.grad`` keeps it too.
 
     Example::
 
@@ -287,8 +290,9 @@ def grads_each(losses, inputs, *, keep=None, allow_unused: bool | None = None,
         return row if keys is None else dict(zip(keys, row))
 
     notes: list = []
+    below = input_guards(wanted) if keep is None else []  # z, for MGDA-UB's z.backward(g) after
     passes = _whole_passes(call, _heads(items, call, cut=False), len(items), keep, run, callable(items[0]),
-                           notes)
+                           notes, below)
     if notes:
         warn_at_caller(*notes[0])
     return [row for row, _ in passes[:len(items)]]
@@ -484,19 +488,21 @@ def _pass(call: str, outputs, keep, guards, run, edges=(), notes=None, lazy: boo
     return result, _remember(plan.report(call, dry_run=False))
 
 
-def _whole_passes(call: str, heads, count: int, keep, run, lazy: bool, notes: list) -> list:
+def _whole_passes(call: str, heads, count: int, keep, run, lazy: bool, notes: list, below=()) -> list:
     """Each head's whole pass, ``(result, report)``; the trunk is protected until the
     last. Heads built by callables protected all that existed before them; the parts
     of it the last pass does not reach (a deeper tap's) are released after it, with
-    one report more."""
+    one report more. ``below``: guards of every pass and that release (the graphs
+    below the passes' inputs: ``_plan.input_guards``)."""
     out, losses = [], []
+    below = list(below)
     for i, head in enumerate(heads):
-        guards = head.guards if i < count - 1 else ()
+        guards = [*head.guards, *below] if i < count - 1 else below
         losses.append(head.loss)
         out.append(_pass(call, [head.loss], keep, guards, lambda head=head: run(head.loss), notes=notes,
                          lazy=lazy and i < count - 1))  # the last releases the trunk too: keep= names it
     if lazy:
-        plan = Plan(call, losses, keep, arg="losses")
+        plan = Plan(call, losses, keep, arg="losses", guards=below)
         report = plan.report(call, dry_run=False)
         plan.release()
         if report.released_node_count:

@@ -46,7 +46,7 @@ __all__ = [
 
 _TORCH_DIR = os.path.dirname(torch.__file__)
 _OWN_DIR = os.path.dirname(__file__)
-_LIBRARY_DIRS = tuple(sorted({
+_LIBRARY_DIRS = tuple(sorted(os.path.join(d, "") for d in {  # with a separator: not graphprune_demo.py
     _TORCH_DIR, _OWN_DIR, *(p for p in (*site.getsitepackages(), site.getusersitepackages()) if p),
     *(sysconfig.get_paths()[k] for k in ("stdlib", "platstdlib", "purelib", "platlib")),
 } - {""}))

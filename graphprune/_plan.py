@@ -29,7 +29,7 @@ from ._graph import (
     saves_nothing,
     saves_one,
 )
-from ._marks import FINISHED, RELEASED, is_hooked, marking_released
+from ._marks import FINISHED, RELEASED, is_hooked, marking_released, node_name
 from ._report import (
     KeptReason,
     PruneReport,
@@ -113,7 +113,7 @@ def _keep_roots(keep, call: str) -> list[tuple[Node, int | None, str]]:
     single = isinstance(keep, GradientEdge) or not isinstance(keep, (list, tuple))
     items = [keep] if single else list(keep)
     roots = []
-    if items and all(isinstance(k, torch.Tensor) and k.requires_grad and k.grad_fn is None for k in items):
+    if items and all(_is_leaf(k) for k in items):
         warn_at_caller(
             f"{call}: keep= names only leaf tensors (parameters, inputs); a leaf has no graph "
             "behind it, so it protects nothing. Name the tensor a later backward pass starts "
@@ -129,14 +129,60 @@ def _keep_roots(keep, call: str) -> list[tuple[Node, int | None, str]]:
         elif isinstance(k, GradientEdge):  # a tuple: tested before a sequence is
             if not isinstance(k.node, Node):
                 raise TypeError(f"{call}: {name} is a GradientEdge to {type(k.node).__name__}, not to a node")
-            roots.append((k.node, k.output_nr, f"{name}: the gradient edge into {k.node.name()}"))
+            roots.append((k.node, k.output_nr, f"{name}: the gradient edge into {node_name(k.node)}"))
         elif isinstance(k, Node):
-            roots.append((k, None, f"{name}: node {k.name()}"))  # a routing node: every output
+            roots.append((k, None, f"{name}: node {node_name(k)}"))  # a routing node: every output
         else:
             what = ("a tensor, a GradientEdge, a grad_fn node or a list or tuple of them" if single else
                     "a tensor, a GradientEdge or a grad_fn node (keep= takes one list of them)")
             raise TypeError(f"{call}: {name} must be {what}, got {type(k).__name__}")
     return roots
+
+
+def _is_leaf(k) -> bool:
+    """Whether ``keep`` item ``k`` is a leaf, as a tensor, its gradient edge or its
+    ``AccumulateGrad``: no graph behind it."""
+    if isinstance(k, torch.Tensor):
+        return k.requires_grad and k.grad_fn is None
+    if isinstance(k, GradientEdge):
+        k = k.node
+    return isinstance(k, Node) and is_accumulator(k)
+
+
+_BELOW_AN_INPUT = ("{name}: {what}, an input the pass stops at (inputs=), and the graph below it, which the "
+                   "pass does not run: a later pass starts there (z.backward(g) after the gradients at z, "
+                   "as MGDA-UB takes them); keep= names what stays instead")
+
+
+def input_guards(inputs) -> list[tuple[Node, int, str]]:
+    """``Plan``'s ``guards`` for a pass with ``keep=None`` and ``inputs=``: each input
+    with a graph below it (an intermediate, not a leaf). A pass that stops at ``z``
+    runs nothing below it, and PyTorch's own pass, retaining nothing, frees nothing
+    there: the graph below ``z`` is what the next pass, ``z.backward(g)``, needs.
+
+    Example::
+
+        >>> w = torch.ones(2, requires_grad=True)
+        >>> z = w * 2
+        >>> [(type(n).__name__, nr) for n, nr, _ in input_guards([w, z])]
+        [('MulBackward0', 0)]
+    """
+    if inputs is None:
+        return []
+    if isinstance(inputs, (torch.Tensor, GradientEdge)):
+        inputs = [inputs]
+    elif isinstance(inputs, Mapping):
+        inputs = list(inputs.values())
+    guards = []
+    for i, t in enumerate(inputs):
+        if isinstance(t, GradientEdge):
+            if isinstance(t.node, Node) and not is_accumulator(t.node):
+                guards.append((t.node, t.output_nr, _BELOW_AN_INPUT.format(
+                    name=f"inputs[{i}]", what=f"the gradient edge into {name(t.node)}")))
+        elif isinstance(t, torch.Tensor) and t.grad_fn is not None:
+            guards.append((t.grad_fn, t.output_nr, _BELOW_AN_INPUT.format(
+                name=f"inputs[{i}]", what=_outputs.describe(t))))
+    return guards
 
 
 class Plan:
@@ -183,7 +229,7 @@ class Plan:
         self._routers = y_supports  # the routing nodes the walk met, for arm()
         self._zero_keys: list = []
         self.finished, pending = _split_live(ys, self.reach, y_supports)
-        self._candidates = _candidates(self.finished, pending)
+        self._candidates = _candidates(self.finished, pending, ys)
         what = self._what = ", ".join(
             [_outputs.describe(t) for t in ys] + [f"the gradient into {name(e.node)}" for e in edges])
         self.reason = Release(f"{call}({what})", self._candidates)
@@ -451,8 +497,8 @@ class Plan:
     def abandon(self) -> None:
         """The pass raised: keep what it had not used, and say where the rest went."""
         self._disarm()
-        reason = Release(f"{self.reason}, whose pass raised before it finished", self._candidates,
-                         self.reason.note)
+        reason = Release(f"{self.reason.text}, whose pass raised before it finished", self._candidates,
+                         self.reason.note, self.reason.routed)
         ran = [node for node, live in self.handles_by_node.items() if any(h.released for h in live)]
         for node in ran:
             for h in self.handles_by_node[node]:
@@ -714,12 +760,18 @@ def _pending_text(t: torch.Tensor, part) -> str:
     return f"{_tensor_text(t, part)}, not backpropagated yet"
 
 
-def _candidates(finished: list, pending: list) -> list:
-    """``(tensor, part, finished)`` of each live tensor a later pass may start from: the
-    part that was pending, or the whole tensor if this call finished it."""
-    out = {id(t): (t, part, False) for _, _, part, t in pending}
+_PENDING, _RUN_THROUGH, _STARTED = 0, 1, 2  # a candidate's rank: the likelier a later pass's start first
+
+
+def _candidates(finished: list, pending: list, ys=()) -> list:
+    """``(tensor, part, rank)`` of each live tensor a later pass may start from: the
+    part that was pending, the whole tensor if this call finished it, and the call's
+    own outputs last (a second pass from the same loss: gradients by parameter group)."""
+    out = {id(t): (t, part, _PENDING) for _, _, part, t in pending}
     for _, _, _, t in finished:
-        out.setdefault(id(t), (t, ALL, True))
+        out.setdefault(id(t), (t, ALL, _RUN_THROUGH))
+    for t in ys:
+        out.setdefault(id(t), (t, ALL, _STARTED))
     return list(out.values())
 
 
@@ -727,33 +779,39 @@ class Release:
     """Why handles were released: the call, as text, and the live tensors a later
     pass may have started from, to name in the error that pass meets."""
 
-    __slots__ = ("text", "_candidates", "note", "__weakref__")  # weakly: NOTE [ No node released ]
+    __slots__ = ("text", "_candidates", "note", "routed", "__weakref__")  # weakly: NOTE [ No node released ]
 
-    def __init__(self, text: str, candidates: list, note: str | None = None) -> None:
+    def __init__(self, text: str, candidates: list, note: str | None = None,
+                 routed: str | None = None) -> None:
         self.text = text
-        self._candidates = [(weakref.ref(t), part, done) for t, part, done in candidates]
+        self._candidates = [(weakref.ref(t), part, rank) for t, part, rank in candidates]
         self.note = note  # what to do, where keep= cannot help (a lazy head's callable built it)
+        self.routed = routed  # the torch call pruning() made this one of, whose code you may not edit
 
     def __str__(self) -> str:
-        return self.text
+        if self.routed is None:
+            return self.text
+        ours, args = self.text.split("(", 1)  # "graphprune.grad(what)": what the routed call was given
+        return f"{self.routed}({args} (graphprune.pruning() ran it as {ours})"
 
     def hint(self, node) -> str | None:
         """What ``keep=`` would have kept ``node``: of the live tensors whose graph
         reaches it, one that no pass had run through (a later pass more likely starts
-        there), nearest to it."""
+        there), nearest to it; the call's own outputs last."""
         if node is None:
             return None
         best = None
-        for ref, part, done in self._candidates:
+        for ref, part, rank in self._candidates:
             t = ref()
             if t is None:
                 continue
             found = _part_reaching(t, part, node)
-            if found is not None and (best is None or (done, found[0]) < (best[3], best[0])):
-                best = (found[0], t, found[1], done)
+            if found is not None and (best is None or (rank, found[0]) < (best[3], best[0])):
+                best = (found[0], t, found[1], rank)
         if best is None:
-            return None
-        _, t, part, done = best
+            return None if self.routed is None else (
+                "Open the graphprune.pruning() block with keep=<the tensor you backpropagate later>.")
+        _, t, part, rank = best
         name = _outputs.name_in_frames(t)
         what = index_text(name or "t", part, _size_along(t, part))
         if name is not None:
@@ -763,11 +821,13 @@ class Release:
             advice = "it as keep=" if what == "t" else f"keep={what}, t that tensor,"
         if self.note is not None:
             return f"The graph of {subject} reaches this node: {self.note}"
-        why = " (the pass it followed had run through it)" if done else ""
+        why = {_PENDING: "", _RUN_THROUGH: " (the pass it followed had run through it)",
+               _STARTED: " (that call's own output)"}[rank]
+        where = (f"Pass {advice} to that call" if self.routed is None else
+                 f"Open the graphprune.pruning() block with {advice.replace('it as', 'that tensor as')}")
         return (
             f"The graph of {subject} reaches this node, and that call did not keep it{why}. "
-            f"Pass {advice} to that call if a later backward pass starts from it "
-            "(graphprune's retain_graph=x)."
+            f"{where} if a later backward pass starts from it (graphprune's retain_graph=x)."
         )
 
 

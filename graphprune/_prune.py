@@ -12,7 +12,7 @@ from torch.autograd.graph import GradientEdge
 
 from ._collector import walks
 from ._graph import is_accumulator, walk
-from ._plan import Plan, as_outputs, listed
+from ._plan import Plan, as_outputs, input_guards, listed
 from ._report import KeptReason, PruneReport
 from ._warn import warn_at_caller
 
@@ -42,15 +42,21 @@ _AGAIN = ("the outputs of a create_graph=True pass, for a later pass from them (
           "on its gradient); keep= names what stays instead")
 
 
-def _pass_and_prune(call: str, outputs, arg: str, keep, retain_graph, create_graph: bool, pass_fn, made):
+def _pass_and_prune(call: str, outputs, arg: str, keep, retain_graph, create_graph: bool, pass_fn, made,
+                    inputs=None):
     """Run ``pass_fn(retain)`` (a pass from ``outputs``; it retains the graph but for
     ``retain_graph=False``, PyTorch's own pass) and free the branch: as the pass goes,
     or after it with ``create_graph=True`` (the gradients'
-    graphs, ``made(result)``, lead back into the branch and are protected). Return the
-    pass's result and the report (also :func:`last_report`'s)."""
+    graphs, ``made(result)``, lead back into the branch and are protected). With
+    ``keep=None``, the graphs below ``inputs`` are protected too (``grad``'s: an
+    ``autograd.grad`` pass keeps what lies below an intermediate it stops at, where
+    ``autograd.backward(inputs=)`` frees it: :func:`~graphprune._plan.input_guards`).
+    Return the pass's result and the report (also :func:`last_report`'s)."""
     tensors, edges = as_outputs(outputs, call, arg, leaves=True)
+    routed = getattr(_routing, "call", None)
     roots = [*tensors, *edges]  # the leaves torch takes have no graph: their pass only writes .grad
     keep = _keep_for(call, keep, retain_graph, roots)
+    below = input_guards(inputs) if keep is None else []
     if not roots:
         result = pass_fn(retain_graph is not False)
         empty = PruneReport(call=call, dry_run=False, released_nodes={}, released_tensors=0, bytes_freed=0,
@@ -62,11 +68,13 @@ def _pass_and_prune(call: str, outputs, arg: str, keep, retain_graph, create_gra
         # (``(loss + g.pow(2).sum()).backward()``), as torch's create_graph retains them
         again = [] if keep is not None else [(r.grad_fn, r.output_nr, _AGAIN) for r in tensors] + [
             (e.node, e.output_nr, _AGAIN) for e in edges]
-        plan = Plan(call, roots, keep, arg=arg, extra=made(result), guards=again)
+        plan = Plan(call, roots, keep, arg=arg, extra=made(result), guards=again + below)
+        plan.reason.routed = routed
         plan.release()
     else:  # retain_graph=False is PyTorch's own pass, create_graph or not: it frees what it runs, all of it
         plain = retain_graph is False
-        plan = Plan(call, roots, keep, arg=arg)
+        plan = Plan(call, roots, keep, arg=arg, guards=below)
+        plan.reason.routed = routed
         result = plan.run(lambda: pass_fn(not plain), ran_only=plain)
     if retain_graph is None:
         plan.warn(call)
@@ -227,7 +235,10 @@ def grad(
     """``torch.autograd.grad`` with the trunk retained and the branch freed as it goes.
 
     Takes what ``torch.autograd.grad`` takes, and ``keep=``; returns what it returns
-    (the :class:`PruneReport` is :func:`last_report`'s). See :func:`backward`.
+    (the :class:`PruneReport` is :func:`last_report`'s). See :func:`backward`. With
+    ``keep=None``, an intermediate among ``inputs`` keeps the graph below it, which the
+    pass does not run and ``torch.autograd.grad`` keeps too: ``gp.grad(loss, z)``, then
+    ``z.backward(g)``.
 
     Example::
 
@@ -243,6 +254,8 @@ def grad(
     """
     call = "graphprune.grad"
     outputs = listed(outputs)
+    if not isinstance(inputs, (torch.Tensor, GradientEdge, Sequence, dict)):
+        inputs = list(inputs)  # a generator (model.parameters()): the pass and the plan both read it
 
     def pass_fn(retain: bool):
         return torch.autograd.grad(
@@ -260,7 +273,8 @@ def grad(
     def made(gradients):  # a dict of inputs gives a dict of gradients
         return gradients.values() if isinstance(gradients, dict) else gradients
 
-    result, _ = _pass_and_prune(call, outputs, "outputs", keep, retain_graph, create_graph, pass_fn, made)
+    result, _ = _pass_and_prune(call, outputs, "outputs", keep, retain_graph, create_graph, pass_fn, made,
+                                inputs)
     return result
 
 
@@ -271,6 +285,19 @@ def last_report() -> PruneReport | None:
 
 
 _last = threading.local()
+_routing = threading.local()  # .call: the torch call pruning() routes here, named in what it releases
+
+
+@contextlib.contextmanager
+def routed_from(call: str):
+    """Within: the passes are ``call``'s (``"torch.autograd.grad"``), made graphprune's
+    by :func:`~graphprune.pruning`, and a pass that meets what they released is told to
+    open the block with ``keep=``, since it cannot pass ``keep=`` to code it does not edit."""
+    before, _routing.call = getattr(_routing, "call", None), call
+    try:
+        yield
+    finally:
+        _routing.call = before
 
 
 def _keep_for(call: str, keep, retain_graph, outputs):

@@ -18,7 +18,9 @@ written, so nothing changes where graphprune has nothing to give:
   zeros into a released node, graphprune would have to read the gradient, which vmap
   forbids: such a pass raises ``ReleasedTensorError`` saying so
   (NOTE [ Zero-gradient passes through released nodes ]);
-- graphprune's own passes (``gp.backward`` inside the block), GradientEdge roots,
+- graphprune's own passes (``gp.backward`` inside the block), the passes torch's own
+  code makes (``torch.autograd.functional.jacobian`` and ``hessian``: one retained
+  pass per row from the same output), GradientEdge roots,
   outputs with no ``grad_fn`` (PyTorch raises its own error), the deprecated
   ``grad_variables`` / ``only_inputs=False``, and calls while ``torch.compile`` traces.
 
@@ -86,11 +88,11 @@ class Pruning(TorchFunctionMode):
         call = "Tensor.backward" if func is torch.Tensor.backward else f"torch.autograd.{func.__name__}"
         a = signature.bind(*args, **kwargs).arguments
         site = _call_site()
-        why = _why_plain(func, a, site)
+        why = _why_plain(func, a, site) or _why_torch_s(func)
         if why is not None:
             self.passed.append((call, why))
             return func(*args, **kwargs)
-        report, result = self._routed(site, call, a, lambda: _at(site, _route, (self.keep, func, a)))
+        report, result = self._routed(site, call, a, lambda: _at(site, _route, (self.keep, func, a, call)))
         self.reports.append(report)
         return result
 
@@ -118,12 +120,14 @@ def pruning(*, keep=None) -> Pruning:
     graph itself; batched passes (``is_grads_batched=True``, calls inside
     ``torch.vmap``, as torchjd's) run plain, since graphprune cannot check a
     zero-gradient pass through a released node under vmap; so do graphprune's own
-    calls and GradientEdge roots (NOTE [ Routed calls ]).
+    calls, the calls torch's own code makes (``torch.autograd.functional.jacobian``)
+    and GradientEdge roots (NOTE [ Routed calls ]).
 
     Only graphs built inside :func:`~graphprune.track` can be freed: the block records
     no forward and may hold the forward or not. A later pass from a tensor that is no
-    loss (features you backpropagate with a gradient of your own) needs
-    ``pruning(keep=features)``, or it meets :class:`~graphprune.ReleasedTensorError`
+    loss (features you backpropagate with a gradient of your own), or a second pass
+    from the same loss (gradients by parameter group), needs ``pruning(keep=features)``
+    or ``pruning(keep=loss)``, or it meets :class:`~graphprune.ReleasedTensorError`
     naming it. The block acts in the thread that opened it.
 
     Args:
@@ -161,8 +165,13 @@ def pruning(*, keep=None) -> Pruning:
     return Pruning(keep)
 
 
-def _route(keep, func, a: dict):
+def _route(keep, func, a: dict, call: str):
     """The call as graphprune's: ``(report, result)``."""
+    with _prune.routed_from(call):
+        return _route_as_graphprune_s(keep, func, a)
+
+
+def _route_as_graphprune_s(keep, func, a: dict):
     if func is torch.autograd.grad:
         result = _prune.grad(
             a["outputs"], a["inputs"], a.get("grad_outputs"), create_graph=a.get("create_graph", False),
@@ -196,6 +205,25 @@ def _why_plain(func, a: dict, site) -> str | None:
     roots = roots if isinstance(roots, (tuple, list)) else (roots,)
     if not roots or not all(isinstance(t, torch.Tensor) and t.grad_fn is not None for t in roots):
         return "an output is no tensor with a grad_fn (a GradientEdge, a leaf): PyTorch handles it"
+    return None
+
+
+_HANDLER = torch.overrides.handle_torch_function.__code__
+_FROM_TORCH = ("torch's own code made the call (torch.autograd.functional's jacobian and hessian "
+               "retain the graph for the next pass from the same output)")
+
+
+def _why_torch_s(func) -> str | None:
+    """Why a call that torch's own code made runs as written (its caller is a frame
+    in torch, past the handler and ``func`` itself), or ``None``."""
+    frame = sys._getframe(3)  # this, the mode's __torch_function__, then the handler's
+    api = func.__code__
+    while frame is not None:
+        code = frame.f_code
+        own = code.co_filename.startswith(_OWN_DIR) and code.co_filename.endswith(("_pruning.py", "_tape.py"))
+        if not (code is api or code is _HANDLER or code.co_name == _TRAMPOLINE or own):
+            return _FROM_TORCH if code.co_filename.startswith(_TORCH_DIR) else None
+        frame = frame.f_back
     return None
 
 

@@ -16,7 +16,7 @@ from .errors import GraphPruneWarning
 
 __all__ = ["warn_at_caller", "is_module_namespace"]
 
-_OWN_DIR = os.path.dirname(__file__)
+_OWN_DIR = os.path.dirname(__file__) + os.sep  # not a file of yours beside it: graphprune_demo.py
 
 
 class _Text(str):
@@ -68,7 +68,10 @@ def warn_at_caller(message: str, kind: str | None = None) -> None:
     try:  # module_globals: the line's source, through the module's loader
         warnings.warn_explicit(message, GraphPruneWarning, frame.f_code.co_filename, frame.f_lineno,
                                module_globals=module_globals, **where)
-    except ImportError:  # `python -c`, stdin: __main__'s loader has no source to give
+    except Warning:  # a filter made it an error
+        raise
+    except Exception:  # the loader gives no such line, where plain warn() reads none: `python -c`,
+        # stdin (ImportError), code exec'd with a module's globals past its last line (IndexError)
         warnings.warn_explicit(message, GraphPruneWarning, frame.f_code.co_filename, frame.f_lineno, **where)
 
 

@@ -934,3 +934,46 @@ def test_heads_that_run_whole_passes_leave_nothing_of_the_trunk(checkpointed):
         assert_close(g, w)
     assert "reentrant checkpoint" in reports[-1].strategy
     assert not _live_handles(deep)
+
+
+def _mgda_ub(rows):
+    """MGDA-UB's step after the gradients at the shared representation z: one
+    backward from z with their weighted sum."""
+    weights = torch.softmax(torch.stack([r.norm() for r in rows]), 0)
+    return sum(w * r for w, r in zip(weights, rows))
+
+
+@pytest.mark.parametrize("inputs", ["tensor", "edge"])
+def test_grads_each_at_an_intermediate_keeps_the_graph_below_it_for_its_backward(inputs):
+    # MGDA-UB: the rows at z, then z.backward(g); the last pass released the trunk
+    # below z, which no pass ran and PyTorch's own retain_graph=False pass keeps
+    trunk, heads, inp = _model()
+    z = trunk(inp)
+    plain = [torch.autograd.grad(h(z).square().mean(), [z, *h.parameters()]) for h in heads]
+    z.backward(_mgda_ub([g[0] for g in plain]))
+    want = _grads(trunk)
+    trunk, heads, inp = _model()
+    with gp.track():
+        z = trunk(inp)
+        losses = [h(z).square().mean() for h in heads]
+    at = z if inputs == "tensor" else torch.autograd.graph.get_gradient_edge(z)
+    rows = gp.grads_each(losses, [at], accumulate=list(heads.parameters()))
+    assert gp.last_report().bytes_freed > 0  # the last head still goes
+    for row, g in zip(rows, plain):
+        assert_close(row[0], g[0])
+    z.backward(_mgda_ub([r[0] for r in rows]))
+    assert_close(_grads(trunk), want)
+    for h, g in zip(heads, plain):
+        assert_close([p.grad for p in h.parameters()], list(g[1:]))
+    with pytest.raises(gp.ReleasedTensorError):
+        losses[0].backward()  # the heads were released
+
+
+def test_grads_each_at_an_intermediate_with_keep_releases_what_keep_does_not_name():
+    trunk, heads, inp = _model()
+    with gp.track():
+        z = trunk(inp)
+        losses = [h(z).square().mean() for h in heads]
+    gp.grads_each(losses, [z], keep=[])
+    with pytest.raises(gp.ReleasedTensorError):
+        z.backward(torch.ones_like(z))

@@ -172,10 +172,11 @@ def test_pruning_leaves_graphprune_own_calls_and_batched_passes_to_pytorch():
     assert_close(g[1], xe.cos() * xe)
 
 
-def test_pruning_keep_protects_features_for_a_later_pass():
+def test_pruning_keeps_the_features_its_grads_stop_at_for_a_later_pass():
     """The hand-made cut: per-task gradients at the features, then one pass from there.
-    ``keep=None`` frees the trunk with the last head (features are no loss); the error
-    says so, and ``pruning(keep=feats)`` keeps it."""
+    ``keep=None`` keeps what lies below the features, which no gradient pass runs (as
+    ``autograd.grad`` without ``retain_graph`` does), and frees the heads; so does
+    ``pruning(keep=feats)``. It used to free the trunk with the last head."""
     trunk, heads, inp = _model()
 
     def step(keep, with_graphprune=True):
@@ -185,13 +186,62 @@ def test_pruning_keep_protects_features_for_a_later_pass():
         with gp.pruning(keep=keep(feats)) if with_graphprune else torch.enable_grad():
             cut = [torch.autograd.grad(loss, feats, retain_graph=True)[0] for loss in losses]
             feats.backward(sum(cut))
+        if with_graphprune:
+            with pytest.raises(gp.ReleasedTensorError):
+                losses[-1].backward()
         return _grads(trunk)
 
     want = step(lambda f: None, with_graphprune=False)
-    trunk.zero_grad(set_to_none=True)
-    assert_close(step(lambda f: f), want)
-    with pytest.raises(gp.ReleasedTensorError, match="keep=feats"):
-        step(lambda f: None)
+    for keep in (lambda f: f, lambda f: None):
+        trunk.zero_grad(set_to_none=True)
+        assert_close(step(keep), want)
+
+
+@pytest.mark.parametrize("which", ["jacobian", "hessian"])
+def test_pruning_leaves_torch_s_own_retained_passes_to_pytorch(which):
+    # torch.autograd.functional's row-by-row jacobian and hessian make one retained
+    # grad per row from the same output: routed, the first freed what the next needed
+    W, x0 = torch.randn(4, 4), torch.randn(4)
+
+    def f(x):
+        return torch.tanh(x @ W) if which == "jacobian" else torch.tanh(x @ W).sum()
+
+    fn = getattr(torch.autograd.functional, which)
+    want = fn(f, x0)
+    with gp.track(), gp.pruning() as p:
+        got = fn(f, x0)
+        loss = f(x0.requires_grad_()).sum()
+        loss.backward(retain_graph=True)  # the user's own call is still routed
+    assert_close(got, want)
+    assert p.passed and {why for _, why in p.passed} == {
+        "torch's own code made the call (torch.autograd.functional's jacobian and hessian retain the graph "
+        "for the next pass from the same output)"}
+    assert len(p.reports) == 1
+
+
+def test_pruning_second_pass_from_one_loss_is_told_to_open_the_block_with_keep():
+    """Gradients by parameter group: two retained passes from one loss. The first,
+    routed, freed what the second needs; the error said "Pass keep=<the tensor you
+    backpropagate later> to that call", which code under ``pruning()`` cannot do, and
+    named neither the loss nor the torch call that freed it."""
+    trunk, heads, inp = _model()
+
+    def step(block):
+        with gp.track():
+            loss = heads[0](trunk(inp)).square().mean()
+        with block(loss):
+            g_head = torch.autograd.grad(loss, list(heads[0].parameters()), retain_graph=True)
+            g_trunk = torch.autograd.grad(loss, list(trunk.parameters()))
+        return [*g_head, *g_trunk]
+
+    with pytest.raises(gp.ReleasedTensorError) as raised:
+        step(lambda loss: gp.pruning())
+    message = str(raised.value)
+    assert "released by torch.autograd.grad(tensor of shape ()" in message
+    assert "(graphprune.pruning() ran it as graphprune.grad)" in message
+    assert "The graph of loss (tensor of shape ()" in message and "(that call's own output)" in message
+    assert "Open the graphprune.pruning() block with keep=loss if a later" in message
+    assert_close(step(lambda loss: gp.pruning(keep=loss)), step(lambda loss: torch.enable_grad()))
 
 
 def test_pruning_on_a_graph_built_outside_track_warns_at_the_callers_line():

@@ -76,6 +76,19 @@ def test_a_live_intermediate_no_variable_names_is_described_not_misnamed():
     assert x.shape == (3,)
 
 
+def test_a_second_pass_from_the_same_loss_is_told_to_keep_the_loss():
+    # gradients by parameter group: the error named no tensor, since the call's own
+    # output was no candidate for keep=
+    w, v = torch.tensor([1.0, 2.0, 3.0], requires_grad=True), torch.ones(3, requires_grad=True)
+    with gp.track():
+        loss = (w.exp() * v).sin().sum()
+    gp.grad(loss, v)
+    message = (r"The graph of loss \(tensor of shape \(\), .*did not keep it \(that call's own output\)\. "
+               r"Pass keep=loss to that call")
+    with pytest.raises(gp.ReleasedTensorError, match=message):
+        gp.grad(loss, w)
+
+
 def test_keep_names_a_live_intermediate_to_backpropagate_later():
     w = torch.tensor([1.0, 2.0, 3.0], requires_grad=True)
     with gp.track():
@@ -180,3 +193,39 @@ def test_multitask_backward_keep_frees_head_during_pass(multitask, images):
     assert_close(grads_of(multitask.parameters()), grads_of(reference.parameters()))
     with pytest.raises(gp.ReleasedTensorError):
         loss2.backward()
+
+
+@pytest.mark.parametrize("call", ["grad", "grad_create_graph", "backward"])
+def test_a_pass_stopped_at_an_intermediate_keeps_the_graph_below_it_as_torch_does(call):
+    # gp.grad(l, z) released the graph below z, which the pass did not run and
+    # autograd.grad keeps without retain_graph: z.backward(g) after it raised.
+    # autograd.backward(l, inputs=[z]) frees it, and so does gp.backward
+    def run(grad, backward):
+        torch.manual_seed(0)
+        w, v, x = torch.randn(4, 4, requires_grad=True), torch.randn(4, requires_grad=True), torch.randn(3, 4)
+        with gp.track():
+            z = torch.tanh(x @ w)
+            loss = (z * v).sin().sum()
+        if call == "backward":
+            z.retain_grad()
+            backward(loss, inputs=[z])
+            g = z.grad
+        else:
+            (g,) = grad(loss, z, create_graph=call == "grad_create_graph")
+        z.backward(g.detach())
+        return w.grad, v.grad, loss
+
+    if call == "backward":
+        for backward in (torch.autograd.backward, gp.backward):
+            with pytest.raises(RuntimeError, match="backward through the graph a second time|released"):
+                run(None, backward)
+        return
+    want_w, want_v, _ = run(torch.autograd.grad, None)
+    got_w, got_v, loss = run(gp.grad, None)
+    torch.testing.assert_close(got_w, want_w)
+    assert want_v is None and got_v is None
+    kept = [k.reason for k in gp.last_report().kept if "an input the pass stops at" in k.reason]
+    assert kept and kept[0].startswith("inputs[0]: tensor of shape (3, 4)")
+    if call == "grad":
+        with pytest.raises(gp.ReleasedTensorError):
+            loss.backward()  # the branch above z was released

@@ -1,6 +1,8 @@
 """GraphPruneWarning: a call that cannot free what it is for says so, once per call
 site, at the user's line, in a category users can filter."""
 
+import importlib.util
+import os
 import warnings
 
 import pytest
@@ -146,6 +148,20 @@ def test_keep_made_only_of_leaves_warns_it_protects_nothing():
     assert "keep= names only leaf tensors" in str(caught[0].message)
 
 
+@pytest.mark.parametrize("as_", ["edge", "node"])
+def test_keep_of_a_leaf_s_edge_or_accumulator_warns_it_protects_nothing(as_):
+    # keep=w warned; its GradientEdge and AccumulateGrad, which protect as little, did not
+    w = torch.ones(3, requires_grad=True)
+    with gp.track():
+        y = w.exp().sum()
+    edge = torch.autograd.graph.get_gradient_edge(w)
+    keep = edge if as_ == "edge" else edge.node
+    reports = []
+    caught = _record(lambda: reports.append(gp.explain(y, keep=keep)))
+    assert len(caught) == 1 and "keep= names only leaf tensors" in str(caught[0].message)
+    named = "the gradient edge into AccumulateGrad" if as_ == "edge" else "node AccumulateGrad"
+    assert [k.reason for k in reports[0].kept] == [f"keep: {named}"]  # named as a user reads it
+
 
 @pytest.mark.parametrize("how", ["other_graph", "released_graph"])
 def test_keep_that_reaches_nothing_of_the_graph_warns_it_protects_nothing(how):
@@ -215,3 +231,42 @@ def test_a_warning_whose_numbers_change_is_shown_every_time_under_always():
     caught = _held_sum_steps([64, 48, 32], "always")
     assert len(caught) == 6
     assert len({str(w.message) for w in caught}) == 3  # a step's two lines say the same
+
+
+def test_a_warning_from_code_exec_d_past_the_module_s_last_line_is_still_shown(tmp_path):
+    """Code exec'd with a module's globals, whose loader gives that module's source: a
+    line past its end made warn_explicit raise IndexError (a script's ``__main__``, a
+    runner's module), where plain warnings.warn from the same line warns."""
+    path = tmp_path / "runner.py"
+    path.write_text("def run(source, names):\n"
+                    "    exec(compile(source, '<string>', 'exec'), globals(), names)\n")
+    spec = importlib.util.spec_from_file_location("graphprune_test_runner", path)
+    runner = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(runner)
+    w = torch.ones(3, requires_grad=True)
+    with gp.track():
+        y = (w.exp() * w).sum()
+    source = "\n" * 30 + "gp.explain(y, keep=w)\n"  # keep= of leaves only: it warns
+    caught = _record(lambda: runner.run(source, {"gp": gp, "y": y, "w": w}))
+    assert len(caught) == 1
+    assert (caught[0].filename, caught[0].lineno) == ("<string>", 31)
+
+
+def test_a_warning_made_an_error_by_a_filter_is_raised_once_as_itself():
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", gp.GraphPruneWarning)
+        with pytest.raises(gp.GraphPruneWarning):
+            gp.backward(_outside_track())
+
+
+def test_a_file_beside_the_package_whose_name_starts_like_it_is_yours():
+    # ".../graphprune_demo.py" began with the package's folder name: its frames were
+    # skipped as graphprune's, the warning filed inside graphprune, the tensors
+    # described as created at <unknown>
+    path = os.path.dirname(gp.__file__) + "_demo.py"
+    source = ("with gp.track():\n    x = w.exp()\n    y = (x * w).sum()\n"
+              "gp.explain(y, keep=w)\nmessage = str(gp.explain(y, keep=x))\n")
+    names = {"gp": gp, "w": torch.ones(3, requires_grad=True)}
+    caught = _record(lambda: exec(compile(source, path, "exec"), names))
+    assert [(w.filename, w.lineno) for w in caught] == [(path, 4)]
+    assert "created at graphprune_demo.py:2" in names["message"]
