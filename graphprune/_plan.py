@@ -357,7 +357,12 @@ class Plan:
         """``(message, kind)`` of the warning this call deserves, or ``None``: it cannot
         free what it is for, as the graph was built outside ``track()``, or it frees
         under 10% of it for a scalar the user holds that is computed from the losses and
-        looks like no later loss (NOTE [ What keep=None protects ])."""
+        looks like no later loss (NOTE [ What keep=None protects ]). A call that
+        ``pruning()`` routed is named as it was written."""
+        later = "keep=[later losses]"
+        if self.reason.routed is not None:
+            call = f"{self.reason.routed} (graphprune.pruning() ran it as {call})"
+            later = f"graphprune.pruning({later})"
         untracked = self.untracked_warning(call)
         if untracked is not None:
             return untracked
@@ -377,7 +382,7 @@ class Plan:
             f"{format_bytes(blocked)} stays for live scalars you hold that are computed from the "
             f"losses and that no backward pass has run through: {some}. If no backward pass will "
             "start from them, detach them (t = t.detach()) or del them before this call; or name "
-            "what later passes start from: keep=[later losses].",
+            f"what later passes start from: {later}.",
             f"{call}: held by live sums",
         )
 

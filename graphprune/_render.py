@@ -31,6 +31,7 @@ from ._modules import module_of, parameter_names
 from ._plan import as_outputs, listed
 from ._report import PruneReport, format_bytes, unique_bytes
 from ._routing import ALL, widen
+from ._warn import warn_at_caller
 
 __all__ = ["render", "model", "STATES"]
 
@@ -45,6 +46,9 @@ STATES = {
 }
 KEEP_COLOURS = ("#7fb3e0", "#8fd19e", "#b6a6e0", "#f2cf72", "#8fd6d0", "#e0a6c8")
 AUTO_COLLAPSE = 60  # nodes; above this, chains collapse into boxes
+
+
+_SUFFIXES = (".svg", ".png", ".pdf", ".dot")
 
 
 def render(
@@ -96,6 +100,12 @@ def render(
     if not isinstance(path, (str, os.PathLike)):
         raise TypeError(f"graphprune.render: path must be a file name (.svg, .png, .pdf, .dot), "
                         f"got {type(path).__name__}")
+    if os.path.splitext(os.fspath(path))[1].lower() not in _SUFFIXES:  # before the graph's walk
+        raise ValueError(f"graphprune.render: cannot draw {os.fspath(path)!r}: the suffix must be one of "
+                         f"{', '.join(_SUFFIXES)}")
+    if by_module is not None and (type(by_module) is not int or by_module < 1):
+        raise ValueError("graphprune.render: by_module must be a number of name parts, 1 or more (1: "
+                         f"'trunk', 2: 'trunk.0'), got {by_module!r}")
     if report is not None and not isinstance(report, PruneReport):
         raise TypeError("graphprune.render: report must be a PruneReport (what prune_after, backward or "
                         f"explain returned), got {type(report).__name__}")
@@ -105,6 +115,9 @@ def render(
 
         report = Plan("graphprune.render", y, keep).report("graphprune.render", dry_run=True)
     nodes = model(y, keep, report)
+    if by_module is not None and all(d["module"] is None for _, d in nodes.nodes(data=True)):
+        warn_at_caller("graphprune.render: by_module= merges nothing: no node of the graph has a module "
+                       "name; build the graph under graphprune.track(modules=model)")
     boxes, legend = _boxes(nodes, report, collapse, by_module)
     heading = title if title is not None else str(report).splitlines()[0]
     if os.path.splitext(path)[1].lower() == ".dot":

@@ -4,6 +4,7 @@ from the .dot and .svg files it writes."""
 from __future__ import annotations
 
 import re
+import warnings
 import xml.etree.ElementTree as ET
 
 import pytest
@@ -146,6 +147,31 @@ def test_bad_suffix(tmp_path):
     _, x, y1 = _seed()
     with pytest.raises(ValueError, match="suffix"):
         gp.render(y1, path=str(tmp_path / "graph.jpg"))
+
+
+def test_bad_suffix_fails_before_the_walk_and_names_dot(tmp_path):
+    # the error listed .svg, .png, .pdf only, after the graph's dry run
+    _, x, y1 = _seed()
+    with pytest.raises(ValueError, match=r"render: cannot draw .*graph\.jpg.*\.svg, \.png, \.pdf, \.dot"):
+        gp.render(y1, path=str(tmp_path / "graph.jpg"))
+    assert not list(tmp_path.iterdir())
+
+
+@pytest.mark.parametrize("by_module", [0, -1, 1.5, True, "trunk"])
+def test_by_module_that_is_no_count_of_name_parts_is_refused(tmp_path, by_module):
+    _, x, y1 = _seed()
+    with pytest.raises(ValueError, match="by_module must be a number of name parts, 1 or more"):
+        gp.render(y1, path=str(tmp_path / "g.dot"), by_module=by_module)
+
+
+def test_by_module_on_a_graph_without_module_names_warns_it_merges_nothing(tmp_path):
+    # by_module=1 on a graph tracked without modules= drew every node, silently
+    _, x, y1 = _seed()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("default")
+        gp.render(y1, path=str(tmp_path / "g.dot"), by_module=1)
+    assert [(w.category, w.filename) for w in caught] == [(gp.GraphPruneWarning, __file__)]
+    assert "build the graph under graphprune.track(modules=model)" in str(caught[0].message)
 
 
 def test_long_chain_collapses_into_one_box(tmp_path):

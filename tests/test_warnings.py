@@ -49,6 +49,24 @@ def test_little_freed_because_of_a_held_sum_of_losses_warns_naming_it():
     assert _record(lambda: gp.backward(losses[1])) == []  # nothing held: the head and the trunk go
 
 
+def test_a_routed_call_s_warning_names_the_call_as_written_and_the_block_s_keep():
+    # under pruning() the warning said "graphprune.backward freed ..." and "keep=[later
+    # losses]", for a losses[0].backward(retain_graph=True) that can take no keep=
+    probs, confidence, losses = _heads_with_metrics_held()
+    del confidence
+    with gp.track():
+        total = losses[0] + losses[1]
+
+    with warnings.catch_warnings(record=True) as caught, gp.pruning():
+        warnings.simplefilter("default")
+        losses[0].backward(retain_graph=True)
+    assert len(caught) == 1 and caught[0].filename == __file__
+    message = str(caught[0].message)
+    assert message.startswith("Tensor.backward (graphprune.pruning() ran it as graphprune.backward) freed ")
+    assert "total (tensor of shape ()" in message and "graphprune.pruning(keep=[later losses])" in message
+    assert total.requires_grad
+
+
 def _outside_track():
     w = torch.ones(3, requires_grad=True)
     return w.exp().sum()
