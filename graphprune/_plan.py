@@ -135,7 +135,10 @@ def _keep_roots(keep, call: str) -> list[tuple[Node, int | None, str]]:
         else:
             what = ("a tensor, a GradientEdge, a grad_fn node or a list or tuple of them" if single else
                     "a tensor, a GradientEdge or a grad_fn node (keep= takes one list of them)")
-            raise TypeError(f"{call}: {name} must be {what}, got {type(k).__name__}")
+            hint = ""
+            if single and isinstance(k, collections.abc.Iterable) and not isinstance(k, (str, bytes)):
+                hint = "; pass keep=list(...)"
+            raise TypeError(f"{call}: {name} must be {what}, got {type(k).__name__}{hint}")
     return roots
 
 

@@ -50,6 +50,9 @@ def test_prune_of_a_leaf_or_of_nothing_is_refused(call, bad, error, match):
         ([[1]], TypeError, r"keep\[0\] must be a tensor, a GradientEdge or a grad_fn node \(keep= takes one "
                            r"list of them\), got list"),
         (torch.ones(3), ValueError, r"keep does not require grad"),
+        # a generator or dict.values() of tensors: the error said what keep= takes, not how
+        ((t for t in ()), TypeError, r"or a list or tuple of them, got generator; pass keep=list\(\.\.\.\)$"),
+        ({}.values(), TypeError, r"got dict_values; pass keep=list\(\.\.\.\)$"),
     ],
 )
 def test_bad_keep_argument_is_named(branch, keep, error, match):
