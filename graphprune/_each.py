@@ -101,18 +101,38 @@ def backward_each(losses, *, keep=None, strategy: str = "cut") -> list[PruneRepo
         >>> expected = 2 * (2 * x.detach()).cos() * 2 * x.detach()
         >>> torch.testing.assert_close(w.grad, expected)
     """
-    notes: list = []  # the first pass that could release nothing, its graph built outside track()
+    notes = _Notes()
     reports = _backward_each(losses, keep, strategy, notes)
-    if notes:
-        warn_at_caller(*notes[0])
+    notes.show()
     return reports
 
 
-def _backward_each(losses, keep, strategy: str, notes: list) -> list[PruneReport]:
+class _Notes:
+    """The one warning a per-loss helper shows per call: the first its passes deserve
+    (``Plan.warning``: a graph built outside ``track()``, or a sum the user holds), the
+    call's own later losses not taken for held sums."""
+
+    __slots__ = ("losses", "first")
+
+    def __init__(self) -> None:
+        self.losses: list = []
+        self.first: tuple[str, str] | None = None
+
+    def take(self, plan: Plan, call: str) -> None:
+        if self.first is None:
+            self.first = plan.warning(call, self.losses)
+
+    def show(self) -> None:
+        if self.first is not None:
+            warn_at_caller(*self.first)
+
+
+def _backward_each(losses, keep, strategy: str, notes: _Notes) -> list[PruneReport]:
     call = "graphprune.backward_each"
     if strategy not in ("cut", "passes"):
         raise ValueError(f'{call}: strategy must be "cut" or "passes", got {strategy!r}')
     items = _items(losses, call)
+    notes.losses = [t for t in items if isinstance(t, torch.Tensor)]
     lazy = callable(items[0])
     heads = _heads(items, call, cut=strategy == "cut")
     hooked = False
@@ -289,12 +309,12 @@ def grads_each(losses, inputs, *, keep=None, allow_unused: bool | None = None,
             row = tuple(torch.zeros_like(t) if g is None else g for t, g in zip(wanted, row))
         return row if keys is None else dict(zip(keys, row))
 
-    notes: list = []
+    notes = _Notes()
+    notes.losses = [t for t in items if isinstance(t, torch.Tensor)]
     below = input_guards(wanted) if keep is None else []  # z, for MGDA-UB's z.backward(g) after
     passes = _whole_passes(call, _heads(items, call, cut=False), len(items), keep, run, callable(items[0]),
                            notes, below)
-    if notes:
-        warn_at_caller(*notes[0])
+    notes.show()
     return [row for row, _ in passes[:len(items)]]
 
 
@@ -472,23 +492,19 @@ def _accumulate_now(leaf: torch.Tensor, grad: torch.Tensor):
 
 def _pass(call: str, outputs, keep, guards, run, edges=(), notes=None, lazy: bool = False):
     """``run()`` under a plan that frees what it passes through, and the report;
-    ``notes`` gets the plan's warning where it could release nothing of a graph built
-    outside ``track()`` (the caller shows the first, once per call). ``lazy``: the
-    head a callable built, whose release a later head's pass may meet (a feature one
-    callable memoised for the next), which ``keep=`` cannot name: the error says what
-    to do instead."""
+    ``notes`` (:class:`_Notes`) takes the plan's warning. ``lazy``: the head a callable
+    built, whose release a later head's pass may meet (a feature one callable memoised
+    for the next), which ``keep=`` cannot name: the error says what to do instead."""
     plan = Plan(call, outputs, keep, arg="losses", guards=guards, edges=edges)
     if lazy:
         plan.reason.note = _LAZY_NOTE.format(call=call)
     result = plan.run(run)
-    if notes is not None and not notes:
-        untracked = plan.untracked_warning(call)
-        if untracked is not None:
-            notes.append(untracked)
+    if notes is not None:
+        notes.take(plan, call)
     return result, _remember(plan.report(call, dry_run=False))
 
 
-def _whole_passes(call: str, heads, count: int, keep, run, lazy: bool, notes: list, below=()) -> list:
+def _whole_passes(call: str, heads, count: int, keep, run, lazy: bool, notes: _Notes, below=()) -> list:
     """Each head's whole pass, ``(result, report)``; the trunk is protected until the
     last. Heads built by callables protected all that existed before them; the parts
     of it the last pass does not reach (a deeper tap's) are released after it, with

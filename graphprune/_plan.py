@@ -258,7 +258,10 @@ class Plan:
                 "released). Name the tensor a later backward pass starts from, or the intermediate "
                 "it is built on (the trunk's output x)."
             )
-        self.roots = [fn for fn, _ in tops if fn not in self.protected]
+        # a pass ran from each output: it is finished unless keep= (or a guard) names it as
+        # where a later pass starts, even when another live loss (a held sum) protects it
+        self._named = {fn for fn, _, _ in (roots or ())} | {fn for fn, _, _ in guards}
+        self.roots = [fn for fn, _ in tops if fn not in self._named]
         self.handles_by_node, self.report_args = self._measure()
 
     def _measure(self) -> tuple[dict, dict]:
@@ -356,12 +359,13 @@ class Plan:
         )
 
     @walks
-    def warning(self, call: str) -> tuple[str, str] | None:
+    def warning(self, call: str, losses=()) -> tuple[str, str] | None:
         """``(message, kind)`` of the warning this call deserves, or ``None``: it cannot
         free what it is for, as the graph was built outside ``track()``, or it frees
         under 10% of it for a scalar the user holds that is computed from the losses and
         looks like no later loss (NOTE [ What keep=None protects ]). A call that
-        ``pruning()`` routed is named as it was written."""
+        ``pruning()`` routed is named as it was written. ``losses``: tensors the call
+        backpropagates in later passes (a per-loss helper's), losses whatever they save."""
         later = "keep=[later losses]"
         if self.reason.routed is not None:
             call = f"{self.reason.routed} (graphprune.pruning() ran it as {call})"
@@ -375,7 +379,7 @@ class Plan:
         total = self._graph_total
         if total == 0 or freed >= 0.1 * total:
             return None
-        held = self._held_by_sums()
+        held = self._held_by_sums(losses)
         if held is None or held[1] <= freed:
             return None
         names, blocked = held
@@ -389,22 +393,28 @@ class Plan:
             f"{call}: held by live sums",
         )
 
-    def _held_by_sums(self):
+    def _held_by_sums(self, later=()):
         """``(descriptions, bytes)`` of what only the pending losses that have nothing
         of their own protect: a scalar computed from the losses and held (``total = l1
         + l2`` for logging): its graph reaches a loss's node, and saves no tensor and
-        reaches no leaf that the pruned graph and the other pending losses do not;
-        ``None`` if nothing."""
+        reaches no leaf that the pruned graph, the other pending losses and the losses
+        a pass has run through (``total`` once ``l1`` ran) do not; ``None`` if nothing.
+        ``later``: tensors known to be losses (the call's own)."""
+        ours = {id(t) for t in later}
         walks = [(p, reach([p[0]], through_released=False, supports=_supports([p[:3]])))
                  for p in self._losses]
         sums, losses = [], []
         roots = [t.grad_fn for t in self.outputs] + self._edge_nodes + [q[0] for q in self._losses]
         for i, (p, walked) in enumerate(walks):
             others = set().union(*(w for j, (_, w) in enumerate(walks) if j != i))
+            ran = [n for n in walked if n is not p[0] and n.metadata.get(FINISHED) is True]
+            if ran:  # a finished loss's graph, which a held sum keeps: not the sum's own
+                others.update(reach(ran, through_released=False))
             own = [n for n in walked if n not in self.reach and n not in others]
             nothing = not any(is_accumulator(n) or saved(n)[0] for n in own)
             of_losses = any(r is not p[0] and r in walked for r in roots)  # built on losses, not features
-            (sums if nothing and of_losses else losses).append((p, walked))
+            is_sum = nothing and of_losses and id(p[3]) not in ours
+            (sums if is_sum else losses).append((p, walked))
         if not sums:
             return None
         kept_by_losses = set().union(*(w for _, w in losses))
@@ -492,7 +502,7 @@ class Plan:
             node.metadata[FINISHED] = True
         for fn, nr, support, _ in self.finished:
             if support is ALL:
-                if fn not in self.protected:
+                if fn not in self._named:
                     fn.metadata[FINISHED] = True
             else:
                 done = fn.metadata.get(FINISHED)

@@ -89,6 +89,38 @@ def test_a_second_pass_from_the_same_loss_is_told_to_keep_the_loss():
         gp.grad(loss, w)
 
 
+def _two_heads_and_their_sum(w):
+    x = w.exp()  # the trunk: ExpBackward0 saves x
+    l1 = x.sin().cos().sum()
+    l2 = x.tanh().sigmoid().sum()
+    return x, l1, l2, l1 + l2  # the sum, held for logging
+
+
+@pytest.mark.parametrize("second", ["backward", "prune_after"])
+def test_a_loss_that_a_held_sum_protected_is_finished_once_its_pass_ran(second):
+    # gp.backward(l1) with total = l1 + l2 held: total protected l1's node, which so
+    # was never marked finished; after del total, l2's prune kept the trunk for l1,
+    # "not backpropagated yet", where PyTorch's pass from l2 frees it
+    w = torch.linspace(0.1, 1.0, 64, requires_grad=True)
+    w_ref = w.detach().clone().requires_grad_()
+    _, l1_ref, l2_ref, _ = _two_heads_and_their_sum(w_ref)
+    torch.autograd.backward([l1_ref, l2_ref])
+    with gp.track():
+        x, l1, l2, total = _two_heads_and_their_sum(w)
+    with pytest.warns(gp.GraphPruneWarning, match="total"):
+        first = gp.backward(l1)
+    assert first.released_tensors == 0  # total still reaches all of it
+    del total
+    if second == "backward":
+        last = gp.backward(l2)
+    else:
+        l2.backward(retain_graph=True)
+        last = gp.prune_after(l2)
+    assert "ExpBackward0" in last.released_nodes, last  # the trunk goes, as torch's pass from l2 frees it
+    assert not any("l1" in k.reason for k in last.kept), last
+    assert_close(w.grad, w_ref.grad)
+
+
 def test_keep_names_a_live_intermediate_to_backpropagate_later():
     w = torch.tensor([1.0, 2.0, 3.0], requires_grad=True)
     with gp.track():

@@ -157,6 +157,27 @@ def test_per_loss_helpers_on_a_tracked_graph_warn_nothing():
     assert _record(lambda: gp.backward_each(losses)) == []
 
 
+@pytest.mark.parametrize("strategy", ["cut", "passes", "grads"])
+def test_per_loss_helpers_warn_once_of_a_held_sum_and_name_it(strategy):
+    # gp.backward warned; backward_each and grads_each freed nothing and said nothing
+    w = torch.randn(64, 64, requires_grad=True)
+    with gp.track():
+        x = w.exp()
+        losses = [(x @ x).tanh().sum(), (x @ x.T).sin().sum()]
+        total = losses[0] + losses[1]  # held for logging, never backpropagated
+    if strategy == "grads":
+        caught = _record(lambda: gp.grads_each(losses, w))
+        call = "graphprune.grads_each"
+    else:
+        caught = _record(lambda: gp.backward_each(losses, strategy=strategy))
+        call = "graphprune.backward_each"
+    assert len(caught) == 1, [str(w.message) for w in caught]  # one per call, not one per pass
+    message = str(caught[0].message)
+    assert message.startswith(f"{call} freed") and "total (tensor of shape ()" in message, message
+    assert caught[0].filename == __file__
+    del total
+
+
 def test_keep_made_only_of_leaves_warns_it_protects_nothing():
     w = torch.ones(3, requires_grad=True)
     with gp.track():
