@@ -127,15 +127,18 @@ def _untracked_heads(lazy: bool):
     return w, [(x * x).sin().sum(), x.cos().sum()]
 
 
+def _per_loss(strategy, losses, w):
+    """``(warnings, call name)`` of a per-loss helper's call: ``strategy`` is one of
+    backward_each's, or "grads" for grads_each."""
+    if strategy == "grads":
+        return _record(lambda: gp.grads_each(losses, w)), "graphprune.grads_each"
+    return _record(lambda: gp.backward_each(losses, strategy=strategy)), "graphprune.backward_each"
+
+
 @pytest.mark.parametrize("strategy", ["cut", "passes", "grads"])
 def test_per_loss_helpers_on_an_untracked_graph_warn_once_per_call(strategy):
     w, losses = _untracked_heads(lazy=False)
-    if strategy == "grads":
-        caught = _record(lambda: gp.grads_each(losses, w))
-        call = "graphprune.grads_each"
-    else:
-        caught = _record(lambda: gp.backward_each(losses, strategy=strategy))
-        call = "graphprune.backward_each"
+    caught, call = _per_loss(strategy, losses, w)
     assert len(caught) == 1  # one per call, not one per pass
     assert str(caught[0].message).startswith(f"{call}: nothing can be released")
     assert caught[0].filename == __file__
@@ -165,12 +168,12 @@ def test_per_loss_helpers_warn_once_of_a_held_sum_and_name_it(strategy):
         x = w.exp()
         losses = [(x @ x).tanh().sum(), (x @ x.T).sin().sum()]
         total = losses[0] + losses[1]  # held for logging, never backpropagated
+    # called here, not through _per_loss: the warning names total from the caller's frame
+    call = "graphprune.grads_each" if strategy == "grads" else "graphprune.backward_each"
     if strategy == "grads":
         caught = _record(lambda: gp.grads_each(losses, w))
-        call = "graphprune.grads_each"
     else:
         caught = _record(lambda: gp.backward_each(losses, strategy=strategy))
-        call = "graphprune.backward_each"
     assert len(caught) == 1, [str(w.message) for w in caught]  # one per call, not one per pass
     message = str(caught[0].message)
     assert message.startswith(f"{call} freed") and "total (tensor of shape ()" in message, message
