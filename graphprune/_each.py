@@ -83,6 +83,10 @@ def backward_each(losses, *, keep=None, strategy: str = "cut") -> list[PruneRepo
     it runs. ``strategy="passes"`` runs each loss's whole pass, the trunk kept until
     the last: T trunk passes, nothing held between them. The last report names it.
 
+    A loss that is a leaf (a placeholder ``torch.zeros((), requires_grad=True)`` for a
+    task without labels in the batch) has no graph: its pass writes its ``.grad``, as
+    the loop's would, and its report releases nothing. An empty list runs nothing.
+
     Returns:
         One :class:`~graphprune.PruneReport` per pass (with ``"cut"``: one per head,
         then the trunk's).
@@ -132,6 +136,8 @@ def _backward_each(losses, keep, strategy: str, notes: _Notes) -> list[PruneRepo
     if strategy not in ("cut", "passes"):
         raise ValueError(f'{call}: strategy must be "cut" or "passes", got {strategy!r}')
     items = _items(losses, call)
+    if not items:  # the loop over no losses runs nothing
+        return []
     notes.losses = [t for t in items if isinstance(t, torch.Tensor)]
     lazy = callable(items[0])
     heads = _heads(items, call, cut=strategy == "cut")
@@ -158,7 +164,9 @@ def _backward_each(losses, keep, strategy: str, notes: _Notes) -> list[PruneRepo
         if hooked:
             text += (" (a hook below the cut, or a tensor at it that retains its grad: the cut would "
                      "run it on the heads' summed gradient, not once per loss)")
-        reports[-1] = _relabel(reports[-1], text)
+        graphs = [i for i, r in enumerate(reports) if r.strategy != _LEAF_TEXT]
+        if graphs:
+            reports[graphs[-1]] = _relabel(reports[graphs[-1]], text)
         return reports
     reports, cut, whole, ran = [], collections.OrderedDict(), 0, []  # ran: the heads of whole passes
     flushed: list[GradientEdge] = []  # where the trunk ran early: NOTE [ Hooks a later head registers ]
@@ -172,6 +180,9 @@ def _backward_each(losses, keep, strategy: str, notes: _Notes) -> list[PruneRepo
 
     with before_hooks(flush) if lazy else contextlib.nullcontext():
         for i, head in enumerate(heads):
+            if head.stop == "leaf":
+                reports.append(_leaf_pass(call, head.loss, torch.autograd.backward)[1])
+                continue
             if head.cut and head.cut[0].node is head.loss.grad_fn:  # all of it is trunk: nothing to run yet
                 _add(cut, head.cut[0], torch.ones_like(head.loss))
                 continue
@@ -251,6 +262,8 @@ def grads_each(losses, inputs, *, keep=None, allow_unused: bool | None = None,
     """
     call = "graphprune.grads_each"
     items = _items(losses, call)
+    if not items:  # the list comprehension over no losses
+        return []
 
     keys = list(inputs) if isinstance(inputs, dict) else None  # torch takes a dict too: rows are dicts
     wanted = ([inputs] if isinstance(inputs, (torch.Tensor, GradientEdge)) else
@@ -513,11 +526,14 @@ def _whole_passes(call: str, heads, count: int, keep, run, lazy: bool, notes: _N
     out, losses = [], []
     below = list(below)
     for i, head in enumerate(heads):
+        if head.stop == "leaf":
+            out.append(_leaf_pass(call, head.loss, run))
+            continue
         guards = [*head.guards, *below] if i < count - 1 else below
         losses.append(head.loss)
         out.append(_pass(call, [head.loss], keep, guards, lambda head=head: run(head.loss), notes=notes,
                          lazy=lazy and i < count - 1))  # the last releases the trunk too: keep= names it
-    if lazy:
+    if lazy and losses:
         plan = Plan(call, losses, keep, arg="losses", guards=below)
         report = plan.report(call, dry_run=False)
         plan.release()
@@ -533,11 +549,23 @@ class _Head:
     guards: list  # (node, output number, reason) its pass must not free
     leaves: list = dataclasses.field(default_factory=list)  # what its pass accumulates into
     lower: set = dataclasses.field(default_factory=set)  # the nodes below its cut: the trunk's pass runs them
-    stop: str = "inputs"  # how its pass stops at the cut: NOTE [ Where a head's pass stops ]
+    stop: str = "inputs"  # how its pass stops at the cut (NOTE [ Where a head's pass stops ]); "leaf"
+
+
+_LEAF_TEXT = "a leaf loss: no graph, its pass wrote its .grad"
+
+
+def _leaf_pass(call: str, loss: torch.Tensor, run):
+    """``(run(loss), report)`` of a loss that is a leaf (a task's placeholder): nothing
+    to release, its pass as the plain loop's."""
+    result = run(loss)
+    report = PruneReport(call=call, dry_run=False, released_nodes={}, released_tensors=0, bytes_freed=0,
+                         bytes_kept=0, strategy=_LEAF_TEXT)
+    return result, _remember(report)
 
 
 def _items(losses, call: str) -> list:
-    """The losses as a list of scalar tensors, or of callables."""
+    """The losses as a list of scalar tensors, or of callables (none: the loop runs nothing)."""
     if isinstance(losses, torch.Tensor):
         if losses.dim() == 0:
             items = [losses]
@@ -552,12 +580,10 @@ def _items(losses, call: str) -> list:
         hint = " (its .values()?)" if isinstance(losses, Mapping) else ""
         raise TypeError(f"{call}: losses must be a list of losses, a 1-d tensor of them, or a list of "
                         f"callables that return them, got {type(losses).__name__}{hint}")
-    if not items:
-        raise ValueError(f"{call}: losses is empty")
     lazy = [callable(t) and not isinstance(t, torch.Tensor) for t in items]
     if any(lazy) and not all(lazy):
         raise TypeError(f"{call}: losses mixes tensors and callables; pass one kind")
-    if not lazy[0]:
+    if not any(lazy):
         for i, t in enumerate(items):
             _check_loss(t, f"losses[{i}]", call)
     return items
@@ -568,7 +594,7 @@ def _check_loss(t, what: str, call: str) -> None:
         raise TypeError(f"{call}: {what} must be a torch.Tensor, got {type(t).__name__}")
     if t.numel() != 1:
         raise ValueError(f"{call}: {what} must be a scalar loss, got shape {tuple(t.shape)}")
-    if t.grad_fn is None:
+    if t.grad_fn is None and not t.requires_grad:
         raise ValueError(f"{call}: {what} has no grad_fn ({no_graph_reason(t)}); there is no graph behind "
                          "it to backpropagate")
 
@@ -580,15 +606,20 @@ def _heads(items: list, call: str, cut: bool):
         return _lazy_heads(items, call)
     if cut:
         return _eager_heads(items, call)
-    return [_Head(t, [], [(u.grad_fn, u.output_nr, _LATER_REASON.format(call=call)) for u in items[i + 1:]])
-            for i, t in enumerate(items)]
+    return [_Head(t, [], _later(items[i + 1:], call)) if t.grad_fn is not None else
+            _Head(t, [], [], stop="leaf") for i, t in enumerate(items)]
+
+
+def _later(items: list[torch.Tensor], call: str) -> list:
+    """Guards of the losses ``items`` that later passes start from (leaves have no graph)."""
+    return [(u.grad_fn, u.output_nr, _LATER_REASON.format(call=call)) for u in items if u.grad_fn is not None]
 
 
 def _eager_heads(items: list[torch.Tensor], call: str) -> list[_Head]:
     """Each loss's head and cut, with the trunk told by two losses reaching it."""
     reached, supports = [], []
     for fn, nr in ((t.grad_fn, t.output_nr) for t in items):
-        sup = {fn: {nr: _routing.ALL}} if _is_router(fn) else {}
+        sup = {fn: {nr: _routing.ALL}} if fn is not None and _is_router(fn) else {}
         reached.append(reach([fn], supports=sup))
         supports.append(sup)
     owners: dict = collections.defaultdict(list)
@@ -598,9 +629,12 @@ def _eager_heads(items: list[torch.Tensor], call: str) -> list[_Head]:
     trunk = {node for node, who in owners.items() if len(who) > 1 and _shared(node, who, supports)}
     heads = []
     for i, t in enumerate(items):
+        if t.grad_fn is None:
+            heads.append(_Head(t, [], [], stop="leaf"))
+            continue
         cut, leaves, lower, stop = _cut(t, trunk.__contains__)
-        later = [(u.grad_fn, u.output_nr, _LATER_REASON.format(call=call)) for u in items[i + 1:]]
-        guards = later + [(e.node, e.output_nr, _TRUNK_REASON.format(call=call)) for e in cut]
+        guards = _later(items[i + 1:], call) + [(e.node, e.output_nr, _TRUNK_REASON.format(call=call))
+                                                for e in cut]
         heads.append(_Head(t, cut, guards, leaves, lower, stop))
     return heads
 
@@ -625,6 +659,9 @@ def _lazy_heads(items: list[Callable], call: str):
         with track():
             loss = build()
         _check_loss(loss, f"losses[{i}]()", call)
+        if loss.grad_fn is None:
+            yield _Head(loss, [], [], stop="leaf")
+            continue
         cut, leaves, lower, stop = _cut(loss, lambda node, start=start: (
             not is_accumulator(node) and node._sequence_nr() < start))
         yield _Head(loss, cut, [(e.node, None, _TRUNK_REASON.format(call=call)) for e in cut], leaves, lower,

@@ -136,7 +136,9 @@ def _keep_roots(keep, call: str) -> list[tuple[Node, int | None, str]]:
             what = ("a tensor, a GradientEdge, a grad_fn node or a list or tuple of them" if single else
                     "a tensor, a GradientEdge or a grad_fn node (keep= takes one list of them)")
             hint = ""
-            if single and isinstance(k, collections.abc.Iterable) and not isinstance(k, (str, bytes)):
+            if isinstance(k, Mapping):  # list(d) would be its keys
+                hint = "; pass its tensors: keep=list(d.values())" if single else " (its .values()?)"
+            elif single and isinstance(k, collections.abc.Iterable) and not isinstance(k, (str, bytes)):
                 hint = "; pass keep=list(...)"
             raise TypeError(f"{call}: {name} must be {what}, got {type(k).__name__}{hint}")
     return roots

@@ -214,14 +214,12 @@ def test_grads_each_allow_unused_and_materialize_grads():
 
 
 @pytest.mark.parametrize("losses, error, match", [
-    ([], ValueError, "losses is empty"),
     (3.0, TypeError, "must be a list of losses"),
     (torch.ones(2, 2, requires_grad=True) * 2, ValueError, "1-d tensor"),
     ([torch.ones(2, requires_grad=True) * 2], ValueError, r"losses\[0\] must be a scalar loss"),
     ([torch.ones(())], ValueError, r"losses\[0\] has no grad_fn \(it does not require grad: made under"),
     ([lambda: None], TypeError, r"losses\[0\]\(\) must be a torch.Tensor, got NoneType"),
     ({"a": 1}, TypeError, r"must be a list of losses.* got dict \(its \.values\(\)\?\)"),
-    (iter([]), ValueError, "losses is empty"),
 ])
 def test_per_loss_helpers_name_their_bad_arguments(losses, error, match):
     with pytest.raises(error, match=match):
@@ -246,6 +244,53 @@ def test_per_loss_helpers_take_any_iterable_of_losses(how, lazy):
         return [torch.autograd.grad(f() if lazy else f, w, retain_graph=True) for f in made.values()]
 
     assert_close(run(True), run(False))
+
+@pytest.mark.parametrize("helper", ["cut", "passes", "grads"])
+@pytest.mark.parametrize("losses", [[], "generator", "tensor"])
+def test_per_loss_helpers_given_no_losses_run_nothing_as_the_loop_does(helper, losses):
+    # every task's mask empty in a batch: {} of losses was refused, where the loop runs nothing
+    w = torch.ones(3, requires_grad=True)
+    losses = iter([]) if losses == "generator" else torch.zeros(0) if losses == "tensor" else losses
+    got = gp.grads_each(losses, [w]) if helper == "grads" else gp.backward_each(losses, strategy=helper)
+    assert got == [] and w.grad is None
+
+
+@pytest.mark.parametrize("helper", ["cut", "passes", "grads"])
+@pytest.mark.parametrize("where", [0, 1, 2])
+@pytest.mark.parametrize("lazy", [False, True], ids=["tensors", "callables"])
+def test_a_leaf_placeholder_loss_runs_as_in_the_plain_loop(helper, where, lazy):
+    # a task without labels in the batch, its loss torch.zeros((), requires_grad=True): the
+    # per-loss helpers refused it, though the plain loop and gp.backward take it
+    def run(each):
+        w = torch.tensor([0.1, 0.2, 0.3], requires_grad=True)
+        placeholder = torch.zeros((), requires_grad=True)
+        with gp.track() if each else contextlib.nullcontext():
+            x = w.exp()
+            made = [lambda: (x * 2).sin().sum(), lambda: x.cos().sum()]
+            made.insert(where, lambda: placeholder)
+            if not (each and lazy):
+                made = [f() for f in made]
+        if helper == "grads":
+            if each:
+                rows = gp.grads_each(made, [w, placeholder], allow_unused=True)
+            else:
+                rows = [torch.autograd.grad(loss, [w, placeholder], retain_graph=True, allow_unused=True)
+                        for loss in made]
+        else:
+            rows = None
+            if each:
+                reports = gp.backward_each(made, strategy=helper)
+                assert reports[where].strategy.startswith("a leaf loss")
+                assert reports[where].released_node_count == 0
+            else:
+                for loss in made:
+                    loss.backward(retain_graph=True)
+        if each:  # the trunk freed after the last pass, as without the placeholder
+            assert all(h.tensor is None for h in saved(x.grad_fn)[0])
+        return rows, w.grad, placeholder.grad
+
+    assert_close(run(True), run(False))
+
 
 def test_backward_each_names_a_bad_strategy():
     w = torch.ones(2, requires_grad=True)

@@ -53,6 +53,9 @@ def test_prune_of_a_leaf_or_of_nothing_is_refused(call, bad, error, match):
         # a generator or dict.values() of tensors: the error said what keep= takes, not how
         ((t for t in ()), TypeError, r"or a list or tuple of them, got generator; pass keep=list\(\.\.\.\)$"),
         ({}.values(), TypeError, r"got dict_values; pass keep=list\(\.\.\.\)$"),
+        # a dict of losses: keep=list(d), as the hint said, is its keys
+        ({"a": 1}, TypeError, r"got dict; pass its tensors: keep=list\(d\.values\(\)\)$"),
+        ([{"a": 1}], TypeError, r"keep\[0\] must be .*, got dict \(its \.values\(\)\?\)$"),
     ],
 )
 def test_bad_keep_argument_is_named(branch, keep, error, match):
