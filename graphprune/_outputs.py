@@ -331,27 +331,38 @@ _SCAN_AT_MOST = 256  # items of a container name_in_frames looks through: a loss
 
 def _name_in(t: torch.Tensor, local_vars) -> str | None:
     """The name ``local_vars`` have for ``t``: a variable, or an item or attribute of
-    one; containers of more than ``_SCAN_AT_MOST`` items (a metrics log) are passed over."""
+    one, or an item of that (``out.hidden_states[-1]``, a model output's tuple);
+    containers of more than ``_SCAN_AT_MOST`` items (a metrics log) are passed over."""
     items = list(local_vars.items())
     for name, value in items:
         if value is t:
             return name
     for name, value in items:
-        if isinstance(value, (list, tuple)):
-            if len(value) <= _SCAN_AT_MOST:
-                for i, v in enumerate(value):
-                    if v is t:
-                        return f"{name}[{i}]"
-        elif isinstance(value, dict):
-            if len(value) <= _SCAN_AT_MOST:
-                for key, v in value.items():
-                    if v is t:
-                        as_attr = isinstance(key, str) and getattr(value, key, None) is t  # ModelOutput
-                        return f"{name}.{key}" if as_attr else f"{name}[{key!r}]"
-        elif hasattr(value, "__dict__") and not isinstance(value, (torch.Tensor, type)):
-            attrs = vars(value)
-            if len(attrs) <= _SCAN_AT_MOST:
-                for attr, v in attrs.items():
-                    if v is t:
-                        return f"{name}.{attr}"
+        for suffix, v in _members(value):
+            if v is t:
+                return name + suffix
+    for name, value in items:  # one level deeper: a sequence inside an output object
+        for suffix, v in _members(value):
+            if isinstance(v, (list, tuple)):
+                for inner, u in _members(v):
+                    if u is t:
+                        return name + suffix + inner
     return None
+
+
+def _members(value):
+    """``(suffix, member)`` of a list's or tuple's items, a dict's values (``.key`` where
+    the dict reads it as an attribute too: a ``ModelOutput``) or an object's attributes;
+    nothing for more than ``_SCAN_AT_MOST`` of them."""
+    if isinstance(value, (list, tuple)):
+        if len(value) <= _SCAN_AT_MOST:
+            yield from ((f"[{i}]", v) for i, v in enumerate(value))
+    elif isinstance(value, dict):
+        if len(value) <= _SCAN_AT_MOST:
+            for key, v in value.items():
+                as_attr = isinstance(key, str) and getattr(value, key, None) is v  # ModelOutput
+                yield (f".{key}" if as_attr else f"[{key!r}]"), v
+    elif hasattr(value, "__dict__") and not isinstance(value, (torch.Tensor, type)):
+        attrs = vars(value)
+        if len(attrs) <= _SCAN_AT_MOST:
+            yield from ((f".{attr}", v) for attr, v in attrs.items())

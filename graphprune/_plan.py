@@ -233,8 +233,9 @@ class Plan:
             self.reach = reach([fn for fn, _ in tops], supports=y_supports)
         self._routers = y_supports  # the routing nodes the walk met, for arm()
         self._zero_keys: list = []
-        self.finished, pending = _split_live(ys, self.reach, y_supports)
-        self._candidates = _candidates(self.finished, pending, ys)
+        earlier: list = []  # finished by an earlier call: the trunk's x, for the hint
+        self.finished, pending = _split_live(ys, self.reach, y_supports, earlier)
+        self._candidates = _candidates(self.finished + earlier, pending, ys)
         what = self._what = ", ".join(
             [_outputs.describe(t) for t in ys] + [f"the gradient into {name(e.node)}" for e in edges])
         self.reason = Release(f"{call}({what})", self._candidates)
@@ -255,10 +256,10 @@ class Plan:
         self._guard_text = [protect[i][1] for i in order]
         if roots and self._trunk_walk is None and not _meet(self.reach, self.protected):
             warn_at_caller(
-                f"{call}: keep= reaches no node of the graph of {what}, so it protects nothing this "
-                "call releases (a tensor of another graph, or one whose graph an earlier prune "
-                "released). Name the tensor a later backward pass starts from, or the intermediate "
-                "it is built on (the trunk's output x)."
+                f"{call}: keep= reaches no node of the graph of {what}, its parameters aside, so it "
+                "protects nothing this call releases (a tensor of another forward's graph, an earlier "
+                "batch's, or one whose graph an earlier prune released). Name the tensor a later "
+                "backward pass starts from, or the intermediate it is built on (the trunk's output x)."
             )
         # a pass ran from each output: it is finished unless keep= (or a guard) names it as
         # where a later pass starts, even when another live loss (a held sum) protects it
@@ -675,9 +676,11 @@ def _classify_kept(nodes, key) -> _Part:
 
 
 def _meet(a: dict, b: dict) -> bool:
-    """Whether the walks ``a`` and ``b`` share a node (the smaller one read)."""
+    """Whether the walks ``a`` and ``b`` share a node other than a leaf's
+    ``AccumulateGrad`` (the smaller one read): two forwards through one model share
+    those, which save nothing to protect."""
     small, large = (a, b) if len(a) <= len(b) else (b, a)
-    return any(node in large for node in small)
+    return any(node in large and not is_accumulator(node) for node in small)
 
 
 def _supports(starts) -> dict:
@@ -716,11 +719,12 @@ def _size_along(t: torch.Tensor, support) -> int:
     return t.shape[support[0]] if support else 0
 
 
-def _split_live(ys, reached: dict, supports: dict) -> tuple[list, list]:
+def _split_live(ys, reached: dict, supports: dict, earlier: list) -> tuple[list, list]:
     """The live tracked tensors (``ys`` aside) as ``(grad_fn, output number, support,
     tensor)``: those the walk from ``ys`` ran through, with the support it took
     (finished there), and those it did not or not wholly, with what is left of
-    them (pending)."""
+    them (pending); ``earlier`` gets those an earlier call finished that the walk
+    reached (what ``keep=`` would have named, for the hint)."""
     finished, pending = [], []
     live = _outputs.live_graphs(ys)
     done_whole = {id(t) for t in ys}
@@ -728,6 +732,8 @@ def _split_live(ys, reached: dict, supports: dict) -> tuple[list, list]:
         done = fn.metadata.get(FINISHED)
         if done is True:
             done_whole.add(id(t))
+            if fn in reached:
+                earlier.append((fn, t.output_nr, ALL, t))
             continue
         nr = t.output_nr
         if fn not in reached:

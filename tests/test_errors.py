@@ -1,5 +1,7 @@
 """Clear errors: bad input, released tensors, in-place modification under hooks."""
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -198,3 +200,39 @@ def test_bad_arguments_of_the_other_calls_are_named(branch, tmp_path, call, matc
     w, _, y = branch
     with pytest.raises((TypeError, ValueError), match=match):
         call(y, w, str(tmp_path / "out.svg"))
+
+
+@pytest.mark.parametrize("how", ["backward", "prune_after"])
+def test_a_head_built_after_the_last_of_two_heads_is_told_keep_x_not_the_last_loss(how):
+    # the hint said keep=loss: x, finished by the first head's call, was no candidate of the second's
+    w = torch.randn(4, 4, requires_grad=True)
+    with gp.track():
+        x = (torch.randn(3, 4) @ w).tanh()
+        losses = [x.exp().sum(), x.cos().sum()]
+    for loss in losses:
+        if how == "backward":
+            gp.backward(loss)
+        else:
+            loss.backward(retain_graph=True)
+            gp.prune_after(loss)
+    with gp.track():
+        late = x.sin().sum()
+    with pytest.raises(gp.ReleasedTensorError, match=r"The graph of x \(tensor of shape \(3, 4\).*keep=x to"):
+        late.backward()
+
+
+def test_the_hint_names_a_tensor_in_a_model_outputs_tuple():
+    # out.hidden_states[0] was "a tensor that no variable of the nearest frames names"
+    @dataclasses.dataclass
+    class Output:
+        loss: torch.Tensor
+        hidden_states: tuple
+
+    w = torch.randn(4, 4, requires_grad=True)
+    with gp.track():
+        h = (torch.randn(3, 4) @ w).tanh()
+        out = Output(h.exp().sum(), (h,))
+    del h
+    gp.backward(out.loss)
+    with pytest.raises(gp.ReleasedTensorError, match=r"Pass keep=out\.hidden_states\[0\] to that call"):
+        (out.hidden_states[0] * 2).sum().backward()

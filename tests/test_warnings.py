@@ -205,14 +205,16 @@ def test_keep_of_a_leaf_s_edge_or_accumulator_warns_it_protects_nothing(as_):
     assert [k.reason for k in reports[0].kept] == [f"keep: {named}"]  # named as a user reads it
 
 
-@pytest.mark.parametrize("how", ["other_graph", "released_graph"])
+@pytest.mark.parametrize("how", ["other_graph", "released_graph", "earlier_batch"])
 def test_keep_that_reaches_nothing_of_the_graph_warns_it_protects_nothing(how):
-    # a leaf warned; a tensor of another graph (a typo) released the trunk silently
+    # a leaf warned; a tensor of another graph (a typo) released the trunk silently, and
+    # another forward's through the same parameter (an earlier batch's x) still does
     w, v = torch.ones(3, requires_grad=True), torch.ones(3, requires_grad=True)
     with gp.track():
         x = w.exp()
         y = x.sin().sum()
-        other = v.exp() if how == "other_graph" else x.cos()
+        other = {"other_graph": lambda: v.exp(), "released_graph": lambda: x.cos(),
+                 "earlier_batch": lambda: (w * 2).exp()}[how]()
     if how == "released_graph":
         other.sum().backward(retain_graph=True)
         gp.prune_after(other.sum(), keep=[])  # other's graph, x's with it, released
