@@ -266,6 +266,7 @@ class Plan:
         self._named = {fn for fn, _, _ in (roots or ())} | {fn for fn, _, _ in guards}
         self.roots = [fn for fn, _ in tops if fn not in self._named]
         self.handles_by_node, self.report_args = self._measure()
+        self.report_args["output_ids"] = frozenset(id(fn) for fn, _ in tops)
 
     def _measure(self) -> tuple[dict, dict]:
         """The branch's live handles by node, and the report's numbers, in one pass over
@@ -836,7 +837,8 @@ class Release:
                 best = (found[0], t, found[1], rank)
         if best is None:
             return None if self.routed is None else (
-                "Open the graphprune.pruning() block with keep=<the tensor you backpropagate later>.")
+                "Open the graphprune.pruning() block with keep= what a later pass runs through: a "
+                "later loss, or the tensor a later step builds on (h, in a loop's h = cell(x, h)).")
         _, t, part, rank = best
         name = _outputs.name_in_frames(t)
         what = index_text(name or "t", part, _size_along(t, part))
@@ -853,7 +855,7 @@ class Release:
                  f"Open the graphprune.pruning() block with {advice.replace('it as', 'that tensor as')}")
         return (
             f"The graph of {subject} reaches this node, and that call did not keep it{why}. "
-            f"{where} if a later backward pass starts from it (graphprune's retain_graph=x)."
+            f"{where} if a later backward pass starts from it (keep= is a retain_graph for one subgraph)."
         )
 
 

@@ -7,7 +7,9 @@ call returned), so the picture says exactly what that prune does: its
 with the reason in the legend. What the report leaves out is read from the node:
 built outside ``track()`` or saved under other hooks, released by an earlier call, on
 ``y``'s graph but off its gradient's route (a stacked loss's other entries: nothing
-reaches them but zeros), in the branch with nothing saved (drawn as released), or
+reaches them but zeros), in the branch with nothing saved (drawn as released), outside
+the call's graph where ``y`` is wider than what the report's call was given (another
+head, not backpropagated yet: the report's ``output_ids`` tell the call's part), or
 saving only boolean masks, which no prune releases (NOTE [ Masks stay ] in ``_zero.py``).
 
 A picture of thousands of nodes stays readable: runs of single-parent, single-child
@@ -42,6 +44,7 @@ STATES = {
     "foreign": ("#f5b971", "saved under other hooks (checkpoint, save_on_cpu): left to them"),
     "untracked": ("#bdbdbd", "built outside track(): PyTorch holds its saved tensors"),
     "offroute": ("#ffffff", "off y's gradient route (only zeros reach it): left alone"),
+    "outside": ("#fdf3d6", "outside this call's graph: left alone"),
     "masks": ("#d4cce6", "saved only boolean masks, which no prune releases: kept"),
 }
 KEEP_COLOURS = ("#7fb3e0", "#8fd19e", "#b6a6e0", "#f2cf72", "#8fd6d0", "#e0a6c8")
@@ -152,10 +155,12 @@ def model(y, keep, report: PruneReport) -> nx.DiGraph:
     params = parameter_names()
     g = nx.DiGraph()
     order = _walk(fns)
+    starts = [n for n in order if id(n) in report.output_ids]
+    in_call = {id(n) for n in _walk(starts)} if starts else None  # None: a report that does not say
     for node in order:
         handles, kind = saved(node)
         live = [h for h in handles if h.tensor is not None]
-        state, reason = _state(node, kind, report, reason_of, routed)
+        state, reason = _state(node, kind, report, reason_of, routed, in_call)
         if state == "release" and live and id(node) not in report.released_ids and all(
                 h.tensor.dtype is torch.bool for h in live):
             state = "masks"  # kept by every prune: NOTE [ Masks stay ] in _zero.py
@@ -187,7 +192,8 @@ def _walk(roots) -> list:
     return list(seen)
 
 
-def _state(node, kind: str, report: PruneReport, reason_of: dict, routed: set) -> tuple[str, int | None]:
+def _state(node, kind: str, report: PruneReport, reason_of: dict, routed: set,
+           in_call: set | None) -> tuple[str, int | None]:
     nid = id(node)
     if nid in report.released_ids:
         return "release", None
@@ -201,6 +207,8 @@ def _state(node, kind: str, report: PruneReport, reason_of: dict, routed: set) -
         return "released", None
     if nid not in routed:
         return "offroute", None
+    if in_call is not None and nid not in in_call:
+        return "outside", None
     return "release", None  # in the branch, with nothing saved
 
 

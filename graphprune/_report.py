@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 import networkx as nx
 import torch
 
-from ._graph import TRACKED, children, name, reach, saved
+from ._graph import TRACKED, UNTRACKED, children, name, reach, saved
 from ._marks import RELEASED
 from ._outputs import live_roots
 from ._saved import SavedHandle, storage_of
@@ -158,7 +158,9 @@ class PruneReport:
     that something else holds left out.
 
     ``released_ids`` and each :class:`KeptReason`'s ``node_ids`` are the nodes' ids
-    as :meth:`Tape.graph` numbers them (``id`` of the ``grad_fn``), to colour it by.
+    as :meth:`Tape.graph` numbers them (``id`` of the ``grad_fn``), to colour it by;
+    ``output_ids`` those of the nodes the call started from (its outputs' ``grad_fn``,
+    its gradient edges' nodes), which tell its part of a wider picture.
     """
 
     call: str
@@ -169,6 +171,7 @@ class PruneReport:
     bytes_kept: int
     kept: tuple[KeptReason, ...] = field(default=())
     released_ids: frozenset[int] = field(default=frozenset(), repr=False, compare=False)
+    output_ids: frozenset[int] = field(default=frozenset(), repr=False, compare=False)
     strategy: str | None = None  # how a per-loss helper ran its passes
 
     @property
@@ -200,13 +203,23 @@ def format_bytes(n: int) -> str:
 
 def snapshot(tape) -> nx.DiGraph:
     """Copy the live graph of ``tape``'s forwards into a plain ``DiGraph``: the nodes
-    that the live tracked tensors reach and that the tape built."""
+    that the live tracked tensors reach and that the tape built, and below them those
+    that no ``track()`` built (``x = w.exp()`` before the block: PyTorch holds what they
+    saved)."""
     trunk = reach(live_roots(), through_released=False)
     mine = {}
     for node in reach(live_roots(finished=True)):
         handles, kind = saved(node)
         if tape.owns(node, handles, kind):
             mine[node] = (handles, kind)
+    below = [child for node in mine for child in children(node) if child not in mine]
+    for node in below:  # grows as it goes: the untracked graph below the tape's
+        if node in mine:
+            continue
+        handles, kind = saved(node)
+        if kind == UNTRACKED:
+            mine[node] = (handles, kind)
+            below += [child for child in children(node) if child not in mine]
     for node in list(mine):  # the leaves it accumulates into
         for child in children(node):
             if child not in mine and name(child) == "AccumulateGrad":

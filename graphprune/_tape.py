@@ -499,8 +499,9 @@ class Tape:
         ``saved_bytes`` (unique storage still held), ``saved_tensors`` and ``state``:
         ``"trunk"`` (a live tensor created under ``track()`` still reaches it),
         ``"branch"`` (none does), ``"released"`` (graphprune freed its saved tensors)
-        or ``"untracked"`` (built outside ``track()`` or under other saved-tensor
-        hooks). Edges follow ``next_functions``. The snapshot holds only ints and
+        or ``"untracked"`` (built outside ``track()``, below the tape's nodes, or under
+        other saved-tensor hooks: PyTorch or those hooks hold what it saved, which
+        ``saved_bytes`` does not count). Edges follow ``next_functions``. The snapshot holds only ints and
         strings, never a node or a tensor.
 
         Example::

@@ -40,6 +40,7 @@ def released_message(node, released_by) -> str:
     return (
         f"graphprune: a backward pass needs a saved tensor of {node_name(node)} that was "
         f"released by {released_by or 'a graphprune call'}. "
-        + (hint or "Pass keep=<the tensor you backpropagate later> to that call, or run "
-           "this backward before pruning.")
+        + (hint or "Pass keep= what a later pass runs through to that call: a later loss, or the "
+           "tensor a later step builds on (h, in a loop's h = cell(x, h)); or run this backward "
+           "before pruning.")
     )

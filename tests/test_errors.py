@@ -236,3 +236,17 @@ def test_the_hint_names_a_tensor_in_a_model_outputs_tuple():
     gp.backward(out.loss)
     with pytest.raises(gp.ReleasedTensorError, match=r"Pass keep=out\.hidden_states\[0\] to that call"):
         (out.hidden_states[0] * 2).sum().backward()
+
+
+def test_a_loop_that_rebinds_the_state_it_should_keep_is_told_what_keep_takes():
+    # every tensor that could have been named was rebound since: the fallback advised
+    # keep=<the tensor you backpropagate later>, the next step's loss, which did not exist yet
+    w = torch.randn(3, 3, requires_grad=True)
+    with pytest.raises(gp.ReleasedTensorError, match=r"keep= what a later pass runs through .* a later "
+                       r"loss, or the tensor a later step builds on \(h, in a loop's h = cell\(x, h\)\)"):
+        with gp.track():
+            h = torch.tanh(torch.ones(2, 3) @ w)
+            for _ in range(3):
+                loss = h.pow(2).mean()
+                h = torch.tanh(h @ w)  # the next step built on h before loss's pass
+                gp.backward(loss)  # keep=h forgotten

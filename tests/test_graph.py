@@ -65,7 +65,22 @@ def test_graph_marks_untracked_and_foreign_nodes():
     states = {d["op"]: d["state"] for d in tape.graph().nodes.values()}
     assert states["SinBackward0"] == "untracked"
     assert states["MulBackward0"] == "trunk"
-    assert "ExpBackward0" not in states  # built before the tape opened
+    assert states["ExpBackward0"] == "untracked"  # built before the tape opened: PyTorch holds its result
+    assert y.requires_grad
+
+
+def test_graph_shows_the_untracked_graph_below_the_tapes():
+    # a node built before track() that the tape's tensors reach was missing, edge and all,
+    # where explain and render showed it as built outside track()
+    w = torch.ones(8, requires_grad=True)
+    pre = w.exp()
+    with gp.track() as tape:
+        y = (pre * 2).sin().sum()
+    g = tape.graph()
+    ops = {d["op"]: n for n, d in g.nodes(data=True)}
+    assert g.nodes[ops["ExpBackward0"]]["state"] == "untracked"
+    assert g.has_edge(ops["MulBackward0"], ops["ExpBackward0"])
+    assert g.has_edge(ops["ExpBackward0"], ops["AccumulateGrad"])
     assert y.requires_grad
 
 

@@ -110,7 +110,8 @@ def test_states_released_untracked_offroute_foreign(tmp_path):
     ops = {a["label"].splitlines()[0]: a["class"] for a in nodes.values()}
     assert ops["SinBackward0"] == "released" and ops["LogBackward0"] == "untracked"
     assert ops["SigmoidBackward0"] == "offroute" and ops["TanhBackward0"] == "release"
-    drawn = {STATES[s][0] for s in STATES if s != "masks"}  # no node here saved only masks
+    drawn = {STATES[s][0] for s in STATES if s not in ("masks", "outside")}  # none saved only masks;
+    # the report is y3's own: no node lies outside its call
     assert {a["fillcolor"] for a in legend.values()} == {*drawn, KEEP0, "white"}
     kept = [a for a in legend.values() if a["label"].startswith("kept")]
     assert len(kept) == 1  # untracked and foreign nodes have colours of their own
@@ -233,6 +234,26 @@ def test_render_a_calls_report(tmp_path):
     nodes, _, legend = parse_dot(path)
     assert sum(a["class"] == "release" for a in nodes.values()) == 3
     assert "released by this call" in [a["label"] for a in legend.values()]
+
+
+def test_a_report_drawn_on_a_wider_graph_leaves_the_other_heads_outside_its_call(tmp_path):
+    # the other head, its saved tensors held, was drawn "released by this call" (the
+    # CLI drew each per-loss pass on all the losses so)
+    w = torch.randn(64, requires_grad=True)
+    with gp.track():
+        x = w.exp()
+        y1 = x.sin().tanh().sum()
+        y2 = x.cos().sum()
+    report = gp.backward(y1)
+    path = tmp_path / "wider.dot"
+    gp.render([y1, y2], report=report, path=str(path), collapse=False)
+    nodes, _, legend = parse_dot(path)
+    classes = {a["label"].replace("[y[0]]\n", "").replace("[y[1]]\n", "").splitlines()[0] + (
+        "@y2" if "[y[1]]" in a["label"] else ""): a["class"] for a in nodes.values()}
+    assert classes["SinBackward0"] == classes["TanhBackward0"] == classes["SumBackward0"] == "release"
+    assert classes["CosBackward0"] == classes["SumBackward0@y2"] == "outside"
+    assert classes["ExpBackward0"] == "keep0"  # kept for y2
+    assert STATES["outside"][1] in [a["label"] for a in legend.values()]
 
 
 @pytest.mark.parametrize("how", ["edge", "values", "generator"])
