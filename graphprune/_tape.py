@@ -501,8 +501,8 @@ class Tape:
         ``"branch"`` (none does), ``"released"`` (graphprune freed its saved tensors)
         or ``"untracked"`` (built outside ``track()``, below the tape's nodes, or under
         other saved-tensor hooks: PyTorch or those hooks hold what it saved, which
-        ``saved_bytes`` does not count). Edges follow ``next_functions``. The snapshot holds only ints and
-        strings, never a node or a tensor.
+        ``saved_bytes`` does not count). Edges follow ``next_functions``. The snapshot
+        holds only ints and strings, never a node or a tensor.
 
         Example::
 
