@@ -113,7 +113,9 @@ def backward_each(losses, *, keep=None, strategy: str = "cut") -> list[PruneRepo
 
 class _Notes:
     """The one warning a per-loss helper shows per call: the first its passes deserve
-    (``Plan.warning``: a graph built outside ``track()``, or a sum the user holds), the
+    (``Plan.warning``): a graph built outside ``track()``, read at every pass, or a sum
+    the user holds, read at the last pass only (the one that frees the trunk, which
+    such a sum keeps; its walks at every pass would cost one per pending loss each), the
     call's own later losses not taken for held sums."""
 
     __slots__ = ("losses", "first")
@@ -122,9 +124,9 @@ class _Notes:
         self.losses: list = []
         self.first: tuple[str, str] | None = None
 
-    def take(self, plan: Plan, call: str) -> None:
+    def take(self, plan: Plan, call: str, last: bool) -> None:
         if self.first is None:
-            self.first = plan.warning(call, self.losses)
+            self.first = plan.warning(call, self.losses) if last else plan.untracked_warning(call)
 
     def show(self) -> None:
         if self.first is not None:
@@ -224,7 +226,7 @@ def _backward_each(losses, keep, strategy: str, notes: _Notes) -> list[PruneRepo
         return reports
     cut.clear()
     _, report = _pass(call, None, keep, (), lambda: torch.autograd.backward(edges, grads, retain_graph=True),
-                      edges=edges + below, notes=notes)
+                      edges=edges + below, notes=notes, last=True)
     text = f"cut: {len(items)} head pass(es), then the trunk once from {len(edges)} edge(s){why}"
     reports.append(_relabel(report, text))
     return reports
@@ -503,9 +505,11 @@ def _accumulate_now(leaf: torch.Tensor, grad: torch.Tensor):
     return torch.zeros((), dtype=grad.dtype, device=grad.device).expand(grad.shape)
 
 
-def _pass(call: str, outputs, keep, guards, run, edges=(), notes=None, lazy: bool = False):
+def _pass(call: str, outputs, keep, guards, run, edges=(), notes=None, lazy: bool = False,
+          last: bool = False):
     """``run()`` under a plan that frees what it passes through, and the report;
-    ``notes`` (:class:`_Notes`) takes the plan's warning. ``lazy``: the head a callable
+    ``notes`` (:class:`_Notes`) takes the plan's warning (``last``: the call's last pass,
+    which frees the trunk). ``lazy``: the head a callable
     built, whose release a later head's pass may meet (a feature one callable memoised
     for the next), which ``keep=`` cannot name: the error says what to do instead."""
     plan = Plan(call, outputs, keep, arg="losses", guards=guards, edges=edges)
@@ -513,7 +517,7 @@ def _pass(call: str, outputs, keep, guards, run, edges=(), notes=None, lazy: boo
         plan.reason.note = _LAZY_NOTE.format(call=call)
     result = plan.run(run)
     if notes is not None:
-        notes.take(plan, call)
+        notes.take(plan, call, last)
     return result, _remember(plan.report(call, dry_run=False))
 
 
@@ -532,7 +536,7 @@ def _whole_passes(call: str, heads, count: int, keep, run, lazy: bool, notes: _N
         guards = [*head.guards, *below] if i < count - 1 else below
         losses.append(head.loss)
         out.append(_pass(call, [head.loss], keep, guards, lambda head=head: run(head.loss), notes=notes,
-                         lazy=lazy and i < count - 1))  # the last releases the trunk too: keep= names it
+                         lazy=lazy and i < count - 1, last=i == count - 1))  # the last frees the trunk too
     if lazy and losses:
         plan = Plan(call, losses, keep, arg="losses", guards=below)
         report = plan.report(call, dry_run=False)

@@ -32,6 +32,7 @@ import site
 import sys
 import sysconfig
 import threading
+import types
 import weakref
 
 import torch
@@ -278,25 +279,26 @@ def live_roots(exclude=(), finished: bool = False) -> list[Node]:
     return [fn for fn, _ in live_graphs(exclude) if finished or fn.metadata.get(FINISHED) is not True]
 
 
-def name_in_frames(t: torch.Tensor, frames: int = 3) -> str | None:
+def name_in_frames(t: torch.Tensor, frames: int = 3, deep: bool = False) -> str | None:
     """A name the user's code has for ``t`` right now, looked up in the locals of the
     first ``frames`` frames outside torch and graphprune: a variable (``logits``), an
     item or attribute of one (``losses[2]``, ``out["logits"]``, ``out.logits``,
-    ``self.loss``), then in those frames' modules' globals. ``None`` if none holds it.
-    For messages only: it walks frames."""
+    ``self.loss``; ``deep``: an item of an output object's tuple, ``out.hidden_states[0]``),
+    then in those frames' modules' globals. ``None`` if none holds it. For messages
+    only: it walks frames."""
     frame = sys._getframe(1)
     seen = 0
     modules: dict[int, dict] = {}
     while frame is not None and seen < frames:
         if not _inside_library(frame.f_code):
             seen += 1
-            found = _name_in(t, _locals_of(frame))
+            found = _name_in(t, _locals_of(frame), deep)
             if found is not None:
                 return found
             modules.setdefault(id(frame.f_globals), frame.f_globals)
         frame = frame.f_back
     for module_globals in modules.values():
-        found = _name_in(t, module_globals)
+        found = _name_in(t, module_globals, deep)
         if found is not None:
             return found
     return None
@@ -329,40 +331,68 @@ _FRAMES_OWN = 3  # references to a frame's locals dict nobody else holds: the fr
 _SCAN_AT_MOST = 256  # items of a container name_in_frames looks through: a loss is in a short list
 
 
-def _name_in(t: torch.Tensor, local_vars) -> str | None:
+def _name_in(t: torch.Tensor, local_vars, deep: bool = False) -> str | None:
     """The name ``local_vars`` have for ``t``: a variable, or an item or attribute of
-    one, or an item of that (``out.hidden_states[-1]``, a model output's tuple);
+    one, or (``deep``: for an error's hint, not a report's text, which every prune
+    writes) an item of a sequence an output object holds (``out.hidden_states[-1]``);
     containers of more than ``_SCAN_AT_MOST`` items (a metrics log) are passed over."""
     items = list(local_vars.items())
     for name, value in items:
         if value is t:
             return name
+    outputs = []  # objects whose sequences are read next: a model output's tuples
     for name, value in items:
-        for suffix, v in _members(value):
-            if v is t:
-                return name + suffix
-    for name, value in items:  # one level deeper: a sequence inside an output object
-        for suffix, v in _members(value):
+        found = _member_is(value, t)
+        if found is not None:
+            return name + found
+        if deep and (type(value) is not dict and isinstance(value, dict) or (
+                _has_attrs(value) and not isinstance(value, _NOT_OUTPUTS))):
+            outputs.append((name, value))
+    for name, value in outputs:
+        members = value.items() if isinstance(value, dict) else vars(value).items()
+        if len(value if isinstance(value, dict) else members) > _SCAN_AT_MOST:
+            continue
+        for key, v in members:
             if isinstance(v, (list, tuple)):
-                for inner, u in _members(v):
-                    if u is t:
-                        return name + suffix + inner
+                found = _member_is(v, t)
+                if found is not None:
+                    return name + _suffix(value, key) + found
     return None
 
 
-def _members(value):
-    """``(suffix, member)`` of a list's or tuple's items, a dict's values (``.key`` where
-    the dict reads it as an attribute too: a ``ModelOutput``) or an object's attributes;
-    nothing for more than ``_SCAN_AT_MOST`` of them."""
+_NOT_OUTPUTS = (types.ModuleType, types.FunctionType, types.MethodType, torch.nn.Module)
+
+
+def _has_attrs(value) -> bool:
+    return hasattr(value, "__dict__") and not isinstance(value, (torch.Tensor, type))
+
+
+def _member_is(value, t: torch.Tensor) -> str | None:
+    """The suffix that names ``t`` in ``value`` (``[2]``, ``["logits"]``, ``.loss``): an
+    item of a list or tuple, a value of a dict, an attribute of an object; ``None``."""
     if isinstance(value, (list, tuple)):
         if len(value) <= _SCAN_AT_MOST:
-            yield from ((f"[{i}]", v) for i, v in enumerate(value))
+            for i, v in enumerate(value):
+                if v is t:
+                    return f"[{i}]"
     elif isinstance(value, dict):
         if len(value) <= _SCAN_AT_MOST:
             for key, v in value.items():
-                as_attr = isinstance(key, str) and getattr(value, key, None) is v  # ModelOutput
-                yield (f".{key}" if as_attr else f"[{key!r}]"), v
-    elif hasattr(value, "__dict__") and not isinstance(value, (torch.Tensor, type)):
+                if v is t:
+                    return _suffix(value, key)
+    elif _has_attrs(value):
         attrs = vars(value)
         if len(attrs) <= _SCAN_AT_MOST:
-            yield from ((f".{attr}", v) for attr, v in attrs.items())
+            for attr, v in attrs.items():
+                if v is t:
+                    return f".{attr}"
+    return None
+
+
+def _suffix(value, key) -> str:
+    """``.key`` where ``value`` reads ``key`` as an attribute too (a ``ModelOutput``, an
+    object), else ``[key]``."""
+    if not isinstance(value, dict):
+        return f".{key}"
+    as_attr = isinstance(key, str) and getattr(value, key, None) is value[key]
+    return f".{key}" if as_attr else f"[{key!r}]"

@@ -235,7 +235,7 @@ class Plan:
         self._zero_keys: list = []
         earlier: list = []  # finished by an earlier call: the trunk's x, for the hint
         self.finished, pending = _split_live(ys, self.reach, y_supports, earlier)
-        self._candidates = _candidates(self.finished + earlier, pending, ys)
+        self._candidates = _candidates(self.finished, pending, ys, earlier)
         what = self._what = ", ".join(
             [_outputs.describe(t) for t in ys] + [f"the gradient into {name(e.node)}" for e in edges])
         self.reason = Release(f"{call}({what})", self._candidates)
@@ -789,16 +789,21 @@ def _pending_text(t: torch.Tensor, part) -> str:
     return f"{_tensor_text(t, part)}, not backpropagated yet"
 
 
-_PENDING, _RUN_THROUGH, _STARTED = 0, 1, 2  # a candidate's rank: the likelier a later pass's start first
+_PENDING, _RUN_THROUGH, _EARLIER, _STARTED = 0, 1, 2, 3  # a candidate's rank: the likelier a later
+# pass's start first; _EARLIER: an earlier call's pass had run through it
 
 
-def _candidates(finished: list, pending: list, ys=()) -> list:
+def _candidates(finished: list, pending: list, ys=(), earlier=()) -> list:
     """``(tensor, part, rank)`` of each live tensor a later pass may start from: the
-    part that was pending, the whole tensor if this call finished it, and the call's
-    own outputs last (a second pass from the same loss: gradients by parameter group)."""
+    part that was pending, the whole tensor if this call finished it, or an earlier
+    call did (``earlier``: the trunk's x, finished by the first head's call), and the
+    call's own outputs last (a second pass from the same loss: gradients by parameter
+    group)."""
     out = {id(t): (t, part, _PENDING) for _, _, part, t in pending}
     for _, _, _, t in finished:
         out.setdefault(id(t), (t, ALL, _RUN_THROUGH))
+    for _, _, _, t in earlier:
+        out.setdefault(id(t), (t, ALL, _EARLIER))
     for t in ys:
         out.setdefault(id(t), (t, ALL, _STARTED))
     return list(out.values())
@@ -842,7 +847,7 @@ class Release:
                 "Open the graphprune.pruning() block with keep= what a later pass runs through: a "
                 "later loss, or the tensor a later step builds on (h, in a loop's h = cell(x, h)).")
         _, t, part, rank = best
-        name = _outputs.name_in_frames(t)
+        name = _outputs.name_in_frames(t, deep=True)
         what = index_text(name or "t", part, _size_along(t, part))
         if name is not None:
             subject, advice = f"{what} ({_outputs.describe(t)})", f"keep={what}"
@@ -852,6 +857,7 @@ class Release:
         if self.note is not None:
             return f"The graph of {subject} reaches this node: {self.note}"
         why = {_PENDING: "", _RUN_THROUGH: " (the pass it followed had run through it)",
+               _EARLIER: " (an earlier call's pass had run through it)",
                _STARTED: " (that call's own output)"}[rank]
         where = (f"Pass {advice} to that call" if self.routed is None else
                  f"Open the graphprune.pruning() block with {advice.replace('it as', 'that tensor as')}")

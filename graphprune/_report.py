@@ -201,6 +201,39 @@ def format_bytes(n: int) -> str:
     raise AssertionError("unreachable")
 
 
+def _untracked_below(mine: dict) -> dict:
+    """``{node: (handles, UNTRACKED)}`` of the graph below ``mine`` that no ``track()``
+    built: the nodes whose saved tensors PyTorch holds, and those that save nothing on
+    the way to one (``w.exp() + 1``: the add, then the exp). A node that saved
+    graphprune's handles is another tape's: the walk stops there."""
+    out: dict = {}
+    state: dict = {}  # node -> True (untracked), False (not), None (saves nothing: its children decide)
+    stack = [(child, False) for node in mine for child in children(node) if child not in mine]
+    while stack:
+        node, settled = stack.pop()
+        if settled:  # its children were seen: untracked if one of them is
+            if any(state.get(child) for child in children(node)):
+                state[node] = True
+                out[node] = ([], UNTRACKED)
+            else:
+                state[node] = False
+            continue
+        if node in state or node in mine:
+            continue
+        handles, kind = saved(node)
+        if kind == UNTRACKED:
+            state[node] = True
+            out[node] = (handles, kind)
+            stack += [(child, False) for child in children(node)]
+        elif handles or kind != TRACKED or name(node) == "AccumulateGrad":
+            state[node] = False
+        else:
+            state[node] = None
+            stack.append((node, True))
+            stack += [(child, False) for child in children(node)]
+    return out
+
+
 def snapshot(tape) -> nx.DiGraph:
     """Copy the live graph of ``tape``'s forwards into a plain ``DiGraph``: the nodes
     that the live tracked tensors reach and that the tape built, and below them those
@@ -212,14 +245,7 @@ def snapshot(tape) -> nx.DiGraph:
         handles, kind = saved(node)
         if tape.owns(node, handles, kind):
             mine[node] = (handles, kind)
-    below = [child for node in mine for child in children(node) if child not in mine]
-    for node in below:  # grows as it goes: the untracked graph below the tape's
-        if node in mine:
-            continue
-        handles, kind = saved(node)
-        if kind == UNTRACKED:
-            mine[node] = (handles, kind)
-            below += [child for child in children(node) if child not in mine]
+    mine.update(_untracked_below(mine))
     for node in list(mine):  # the leaves it accumulates into
         for child in children(node):
             if child not in mine and name(child) == "AccumulateGrad":

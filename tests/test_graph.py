@@ -1,6 +1,7 @@
 """``tape.graph()``: the networkx model users see, and what holding it costs."""
 
 import networkx as nx
+import pytest
 import torch
 
 import graphprune as gp
@@ -69,18 +70,21 @@ def test_graph_marks_untracked_and_foreign_nodes():
     assert y.requires_grad
 
 
-def test_graph_shows_the_untracked_graph_below_the_tapes():
+@pytest.mark.parametrize("between", ["", "AddBackward0", "UnsqueezeBackward0"])
+def test_graph_shows_the_untracked_graph_below_the_tapes(between):
     # a node built before track() that the tape's tensors reach was missing, edge and all,
-    # where explain and render showed it as built outside track()
+    # where explain and render showed it as built outside track(); and below a node that
+    # saves nothing (an add, a view) even once that was mended
     w = torch.ones(8, requires_grad=True)
-    pre = w.exp()
+    pre = {"": lambda: w.exp(), "AddBackward0": lambda: w.exp() + 1,
+           "UnsqueezeBackward0": lambda: w.exp().unsqueeze(0)}[between]()
     with gp.track() as tape:
         y = (pre * 2).sin().sum()
     g = tape.graph()
     ops = {d["op"]: n for n, d in g.nodes(data=True)}
-    assert g.nodes[ops["ExpBackward0"]]["state"] == "untracked"
-    assert g.has_edge(ops["MulBackward0"], ops["ExpBackward0"])
-    assert g.has_edge(ops["ExpBackward0"], ops["AccumulateGrad"])
+    path = ["MulBackward0", *([between] if between else []), "ExpBackward0", "AccumulateGrad"]
+    assert all(g.nodes[ops[op]]["state"] == "untracked" for op in path[1:-1])
+    assert all(g.has_edge(ops[a], ops[b]) for a, b in zip(path, path[1:]))
     assert y.requires_grad
 
 

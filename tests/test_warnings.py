@@ -314,3 +314,25 @@ def test_a_file_beside_the_package_whose_name_starts_like_it_is_yours():
     caught = _record(lambda: exec(compile(source, path, "exec"), names))
     assert [(w.filename, w.lineno) for w in caught] == [(path, 4)]
     assert "created at graphprune_demo.py:2" in names["message"]
+
+
+@pytest.mark.parametrize("strategy", ["cut", "passes", "grads"])
+def test_per_loss_helpers_look_for_a_held_sum_once_per_call(strategy, monkeypatch):
+    # with another loss pending (aux, backpropagated after), every pass walked every
+    # pending loss's graph: T^2 walks per call
+    calls = []
+    look = gp._plan.Plan._held_by_sums
+
+    def counted(self, later=()):
+        calls.append(1)
+        return look(self, later)
+
+    monkeypatch.setattr(gp._plan.Plan, "_held_by_sums", counted)
+    w = torch.randn(64, 64, requires_grad=True)
+    with gp.track():
+        x = (w @ w).exp().sum(0)  # the trunk holds most of the graph: each head frees under 10%
+        losses = [(x * i).sin().sum() for i in range(1, 5)]
+        aux = x.cos().sum()  # a later loss of its own
+    caught, _ = _per_loss(strategy, losses, w)
+    assert caught == [] and len(calls) <= 1
+    gp.backward(aux)
