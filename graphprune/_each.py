@@ -51,7 +51,7 @@ from ._graph import FOREIGN, _is_router, is_accumulator, reach, saved
 from ._marks import is_hooked
 from ._plan import Plan, input_guards, listed, no_graph_reason
 from ._prune import _relabel, _remember
-from ._report import PruneReport
+from ._report import PruneReport, nothing_released
 from ._tape import before_hooks, track
 from ._warn import warn_at_caller
 
@@ -563,9 +563,7 @@ def _leaf_pass(call: str, loss: torch.Tensor, run):
     """``(run(loss), report)`` of a loss that is a leaf (a task's placeholder): nothing
     to release, its pass as the plain loop's."""
     result = run(loss)
-    report = PruneReport(call=call, dry_run=False, released_nodes={}, released_tensors=0, bytes_freed=0,
-                         bytes_kept=0, strategy=_LEAF_TEXT)
-    return result, _remember(report)
+    return result, _remember(nothing_released(call, _LEAF_TEXT))
 
 
 def _items(losses, call: str) -> list:

@@ -349,10 +349,10 @@ def _name_in(t: torch.Tensor, local_vars, deep: bool = False) -> str | None:
                 _has_attrs(value) and not isinstance(value, _NOT_OUTPUTS))):
             outputs.append((name, value))
     for name, value in outputs:
-        members = value.items() if isinstance(value, dict) else vars(value).items()
-        if len(value if isinstance(value, dict) else members) > _SCAN_AT_MOST:
+        members = value if isinstance(value, dict) else vars(value)
+        if len(members) > _SCAN_AT_MOST:
             continue
-        for key, v in members:
+        for key, v in members.items():
             if isinstance(v, (list, tuple)):
                 found = _member_is(v, t)
                 if found is not None:

@@ -13,7 +13,7 @@ from torch.autograd.graph import GradientEdge
 from ._collector import walks
 from ._graph import is_accumulator, walk
 from ._plan import Plan, as_outputs, input_guards, listed
-from ._report import KeptReason, PruneReport
+from ._report import KeptReason, PruneReport, nothing_released
 from ._warn import warn_at_caller
 
 __all__ = ["prune_after", "explain", "backward", "grad", "last_report"]
@@ -59,9 +59,7 @@ def _pass_and_prune(call: str, outputs, arg: str, keep, retain_graph, create_gra
     below = input_guards(inputs) if keep is None else []
     if not roots:
         result = pass_fn(retain_graph is not False)
-        empty = PruneReport(call=call, dry_run=False, released_nodes={}, released_tensors=0, bytes_freed=0,
-                            bytes_kept=0)
-        return result, _remember(empty, retain_graph)
+        return result, _remember(nothing_released(call), retain_graph)
     if create_graph and retain_graph is not False:
         result = pass_fn(True)
         # keep=None: the outputs too, for the pass a penalty on the gradient goes with

@@ -8,14 +8,14 @@ from dataclasses import dataclass, field
 import networkx as nx
 import torch
 
-from ._graph import TRACKED, UNTRACKED, children, name, reach, saved
+from ._graph import TRACKED, UNTRACKED, children, is_accumulator, name, reach, saved
 from ._marks import RELEASED
 from ._outputs import live_roots
 from ._saved import SavedHandle, storage_of
 
 __all__ = [
     "PruneReport", "KeptReason", "storages", "storage_bytes", "unique_bytes", "exclusive_keys",
-    "held_elsewhere",
+    "held_elsewhere", "nothing_released",
     "format_bytes", "snapshot",
 ]
 
@@ -193,6 +193,12 @@ class PruneReport:
         return "\n".join(lines)
 
 
+def nothing_released(call: str, strategy: str | None = None) -> PruneReport:
+    """The report of a pass with no graph to prune (a leaf's: it only writes ``.grad``)."""
+    return PruneReport(call=call, dry_run=False, released_nodes={}, released_tensors=0, bytes_freed=0,
+                       bytes_kept=0, strategy=strategy)
+
+
 def format_bytes(n: int) -> str:
     for unit in ("B", "KiB", "MiB", "GiB"):
         if abs(n) < 1024 or unit == "GiB":
@@ -225,7 +231,7 @@ def _untracked_below(mine: dict) -> dict:
             state[node] = True
             out[node] = (handles, kind)
             stack += [(child, False) for child in children(node)]
-        elif handles or kind != TRACKED or name(node) == "AccumulateGrad":
+        elif handles or kind != TRACKED or is_accumulator(node):
             state[node] = False
         else:
             state[node] = None
