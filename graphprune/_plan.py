@@ -41,7 +41,7 @@ from ._report import (
     unique_bytes,
 )
 from ._routing import ALL, NOTHING, complement, index_text, merge, widen
-from ._saved import SavedHandle
+from ._saved import SavedHandle, release_all
 from ._trunk import released, walk_trunk_once
 from ._warn import warn_at_caller
 from ._zero import forget, guard_released, known_zero
@@ -500,9 +500,7 @@ class Plan:
                 name(n) for n in ran)), released_tensors=sum(map(len, ran.values())),
                 released_ids=frozenset(map(id, ran)), bytes_freed=sum(
                     branch[key][0] for key in self._exclusive if all(h.released for h in branch[key][1:])))
-        for live in self.handles_by_node.values():
-            for h in live:
-                h.release(self.reason)
+        release_all(itertools.chain.from_iterable(self.handles_by_node.values()), self.reason)
         self._mark_released(self.handles_by_node, self.reason)
         for node in self.roots:
             node.metadata[FINISHED] = True
@@ -573,16 +571,6 @@ class _Part:
 _BRANCH = object()  # _classify: a node no protected root reaches
 
 
-def _one_saved(node, attr: str):
-    """What the pack hook returned for the one tensor ``node`` saved, at ``attr``;
-    ``None`` where a pass that did not retain the graph freed it."""
-    try:
-        value = getattr(node, attr)
-    except RuntimeError:
-        return None
-    return value.data if type(value) is _SavedTensor else None
-
-
 def _classify(nodes, protected: dict) -> _Part:
     """Sort ``nodes`` into the branch (a node no protected root reaches, whose tensors
     graphprune holds) and the kept, by reason."""
@@ -602,7 +590,14 @@ def _classify(nodes, protected: dict) -> _Part:
                 nodes_of.append(node)
             continue
         attr = one_of(node_type)
-        p = None if attr is None else _one_saved(node, attr)  # saved()'s common case: one handle
+        p = None  # saved()'s common case, one handle, inline: what the pack hook returned
+        if attr is not None:
+            try:
+                value = getattr(node, attr)
+            except RuntimeError:  # freed by a pass that did not retain the graph
+                value = None
+            if type(value) is _SavedTensor:
+                p = value.data
         if type(p) is SavedHandle:
             live, kind = [p] if p.tensor is not None else NOTHING_SAVED, TRACKED
             tracked = True
@@ -653,7 +648,14 @@ def _classify_kept(nodes, key) -> _Part:
     elsewhere: set = set()  # the nodes kept for their kind, not for key
     for node in [node for node in nodes if type(node) not in saves_nothing]:
         attr = one_of(type(node))
-        p = None if attr is None else _one_saved(node, attr)
+        p = None  # as in _classify
+        if attr is not None:
+            try:
+                value = getattr(node, attr)
+            except RuntimeError:
+                value = None
+            if type(value) is _SavedTensor:
+                p = value.data
         if type(p) is SavedHandle:
             tracked = True
             if p.tensor is not None:
@@ -936,5 +938,4 @@ def _may_make_zeros_nonzero(nodes) -> bool:
 
 def _release_after_run(handles: list[SavedHandle], reason: str, task: list, grad_inputs, grad_outputs):
     if task[0] == torch._C._current_graph_task_id():
-        for h in handles:
-            h.release(reason)
+        release_all(handles, reason)

@@ -38,7 +38,10 @@ def storages(handles, grouped: bool = True) -> dict:
                 if nbytes is None:
                     nbytes = view_bytes[key] = t.untyped_storage().nbytes()
             elif t.is_contiguous():
-                key, nbytes = address(t), t.storage_offset() * t.element_size() + t.nbytes
+                key, nbytes = address(t), t.nbytes
+                offset = t.storage_offset()  # 0 but for a tensor set_() on part of a storage
+                if offset:
+                    nbytes += offset * t.element_size()
             else:
                 key, nbytes = storage_of(h)
         except (RuntimeError, NotImplementedError):

@@ -23,7 +23,7 @@ from ._marks import node_name
 from ._zero import in_zero_pass, placeholder
 from .errors import InplaceModifiedError, ReleasedTensorError, released_message
 
-__all__ = ["SavedHandle", "pack_hook", "storage_of"]
+__all__ = ["SavedHandle", "pack_hook", "release_all", "storage_of"]
 
 
 def storage_of(h: SavedHandle) -> tuple[int, int]:
@@ -87,15 +87,7 @@ class SavedHandle:
 
     def release(self, reason: str) -> None:
         """Drop the tensor; a later unpack raises :class:`ReleasedTensorError` naming ``reason``."""
-        t = self.tensor
-        if t is not None:
-            try:
-                shape = t.shape  # a torch.Size: a tuple of ints
-            except RuntimeError:  # a strided nested tensor has no single shape
-                shape = None
-            self.meta = (shape, t.dtype, t.device)
-            self.tensor = None  # is no object for the garbage collector to walk
-            self.released_by = reason
+        release_all((self,), reason)
 
     def unpack(self) -> torch.Tensor:
         """Return the saved tensor for a backward pass, checking what PyTorch skips with hooks."""
@@ -118,6 +110,29 @@ class SavedHandle:
             "saved-tensor hooks are set; graphprune restores it. Clone the tensor before "
             "modifying it in place."
         )
+
+
+def release_all(handles, reason) -> None:
+    """:meth:`SavedHandle.release` of each of ``handles``, in one call: a prune releases
+    a handle per saved tensor of its branch.
+
+    Example::
+
+        >>> h = pack_hook(7)(torch.ones(2, requires_grad=True) * 2)
+        >>> release_all([h], "a prune")
+        >>> h.released, h.meta[0]
+        (True, torch.Size([2]))
+    """
+    for h in handles:
+        t = h.tensor
+        if t is not None:
+            try:
+                shape = t.shape  # a torch.Size: a tuple of ints
+            except RuntimeError:  # a strided nested tensor has no single shape
+                shape = None
+            h.meta = (shape, t.dtype, t.device)
+            h.tensor = None  # is no object for the garbage collector to walk
+            h.released_by = reason
 
 
 def pack_hook(tape: int):
