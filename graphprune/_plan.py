@@ -248,7 +248,10 @@ class Plan:
             starts = [(fn, nr, ALL) for fn, nr, _ in roots if nr is not None]
         protect += protect_extra
         protect += [(fn, text) for fn, _, text in guards]
-        starts += [(fn, nr, ALL) for fn, nr, _ in guards if nr is not None]
+        guard_starts = [(fn, nr, ALL) for fn, nr, _ in guards if nr is not None]
+        starts += guard_starts
+        # what protects besides keep= and the losses (for _held_by_sums): roots, and where they start
+        self._guards = [fn for fn, _ in protect_extra] + [fn for fn, _, _ in guards], guard_starts
         order = sorted(range(len(protect)), key=lambda i: protect[i][0] not in self.reach)  # nearest first
         self.protected = protected if protected is not None else reach(
             (protect[i][0] for i in order), through_released=False, supports=_supports(starts)
@@ -423,8 +426,12 @@ class Plan:
             (sums if is_sum else losses).append((p, walked))
         if not sums:
             return None
-        kept_by_losses = set().union(*(w for _, w in losses))
-        blocked = [n for n in self.protected if n in self.reach and n not in kept_by_losses]
+        kept = set().union(*(w for _, w in losses))  # what stays whatever the sums do: the losses'
+        guards, starts = self._guards  # and the guards' (a create_graph=True pass's outputs)
+        if guards:
+            kept.update(reach(guards, through_released=False, supports=_supports(starts)))
+        by_sums = set().union(*(w for _, w in sums))
+        blocked = [n for n in self.protected if n in self.reach and n in by_sums and n not in kept]
         if not blocked:
             return None
         culprits = [_tensor_text(p[3], p[2]) for p, walked in sums if not set(blocked).isdisjoint(walked)]

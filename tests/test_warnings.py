@@ -49,6 +49,27 @@ def test_little_freed_because_of_a_held_sum_of_losses_warns_naming_it():
     assert _record(lambda: gp.backward(losses[1])) == []  # nothing held: the head and the trunk go
 
 
+
+def test_no_held_sum_warning_where_a_create_graph_pass_keeps_what_stays():
+    # MAML's inner loop: a fast weight (one element, held) built from one task's
+    # create_graph=True gradient, then gp.grad(create_graph=True) on the next task's
+    # loss, whose graph its own outputs keep. The warning blamed live sums and named
+    # none ("no backward pass has run through: ."): what stays was the create_graph
+    # rule's, which dropping the fast weight would not free
+    torch.manual_seed(0)
+    w, b = torch.randn(3, requires_grad=True), torch.randn(1, requires_grad=True)
+    x0, x1 = torch.randn(4, 3), torch.randn(4, 3)
+    with gp.track():
+        l0 = ((x0 @ w) + b).pow(2).mean()
+        _, gb = torch.autograd.grad(l0, [w, b], create_graph=True)
+        fast_b = b - 0.1 * gb
+        l1 = ((x1 @ w) + b).pow(2).mean()
+        got = _record(lambda: gp.grad(l1, [w, b], create_graph=True))
+    assert got == []
+    report = gp.last_report()
+    assert report.bytes_freed == 0 and "create_graph=True" in report.kept[0].reason
+    assert fast_b.requires_grad
+
 def test_a_routed_call_s_warning_names_the_call_as_written_and_the_block_s_keep():
     # under pruning() the warning said "graphprune.backward freed ..." and "keep=[later
     # losses]", for a losses[0].backward(retain_graph=True) that can take no keep=
