@@ -445,8 +445,10 @@ def _to_the_cut(head: _Head) -> tuple:
                                       allow_unused=True)
         return got[:len(head.cut)]
     captured: dict = {}
-    hooks = [edge.node.register_prehook(functools.partial(_capture, captured, edge.node))
-             for edge in {e.node: e for e in head.cut}.values()]
+    task = [None]  # the head's pass: a pass another hook or thread runs through the cut is not
+    hooks = [head.loss.grad_fn.register_prehook(functools.partial(_note_pass, task))]
+    hooks += [edge.node.register_prehook(functools.partial(_capture, captured, edge.node, task))
+              for edge in {e.node: e for e in head.cut}.values()]
     try:
         torch.autograd.backward(head.loss, inputs=[*head.leaves, *head.cut], retain_graph=True)
     finally:
@@ -455,10 +457,20 @@ def _to_the_cut(head: _Head) -> tuple:
     return [captured.get((edge.node, edge.output_nr)) for edge in head.cut]
 
 
-def _capture(captured: dict, node, grad_outputs) -> None:
-    """A cut node's prehook: keep the gradients that reached it. Its own backward then
-    runs with none of its outputs needed (the pass stops here), so computes nothing
-    for them."""
+def _note_pass(task: list, grad_outputs) -> None:
+    """The head loss's node's prehook: note the graph task of the first pass to run it,
+    the head's own (it starts there)."""
+    if task[0] is None:
+        task[0] = torch._C._current_graph_task_id()
+
+
+def _capture(captured: dict, node, task: list, grad_outputs) -> None:
+    """A cut node's prehook: keep the gradients that reached it in the head's pass. Its
+    own backward then runs with none of its outputs needed (the pass stops here), so
+    computes nothing for them. Another pass through the node (a hook's
+    ``aux.backward()``, another thread's) is not the head's: its gradient is not kept."""
+    if task[0] != torch._C._current_graph_task_id():
+        return
     for nr, g in enumerate(grad_outputs):
         if g is not None:
             captured[(node, nr)] = g

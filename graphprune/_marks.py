@@ -15,7 +15,7 @@ __all__ = [
 
 RELEASED = "graphprune.released"  # lost saved tensors to a prune; the value says which call
 FINISHED = "graphprune.finished"  # the root of a pruned output: it protects nothing any more
-GUARDED = "graphprune.guarded"  # zero-gradient passes may run it (NOTE in _zero.py)
+GUARDED = "graphprune.guarded"  # zero-gradient passes may run it (NOTE in _zero.py); the value: which call
 STRAYS = "graphprune.strays"  # a CopySlices: weak references to its hidden node's handles
 HOOKED = "graphprune.hooked"  # a tensor hook was registered on an output of it under track()
 

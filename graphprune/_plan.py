@@ -413,7 +413,10 @@ class Plan:
         walks = [(p, reach([p[0]], through_released=False, supports=_supports([p[:3]])))
                  for p in self._losses]
         sums, losses = [], []
-        roots = [t.grad_fn for t in self.outputs] + self._edge_nodes + [q[0] for q in self._losses]
+        # what a sum is built on: the pruned outputs, the call's losses (a per-loss helper's trunk
+        # pass starts at the cut, where a metric of the feature is built too) or these edges
+        tops = [t.grad_fn for t in later if t.grad_fn is not None] if later else self._edge_nodes
+        roots = [t.grad_fn for t in self.outputs] + tops + [q[0] for q in self._losses]
         for i, (p, walked) in enumerate(walks):
             others = set().union(*(w for j, (_, w) in enumerate(walks) if j != i))
             ran = [n for n in walked if n is not p[0] and n.metadata.get(FINISHED) is True]
@@ -490,7 +493,7 @@ class Plan:
         for node in nodes:
             md = node.metadata
             md[RELEASED] = reason
-            guard_released(node, md)
+            guard_released(node, reason, md)
         released(nodes)  # NOTE [ The trunk walked once ] in _trunk.py
 
     @walks
@@ -943,6 +946,15 @@ def _may_make_zeros_nonzero(nodes) -> bool:
     return bool(hooked) and not hooked.isdisjoint(nodes)
 
 
-def _release_after_run(handles: list[SavedHandle], reason: str, task: list, grad_inputs, grad_outputs):
+def _release_after_run(handles: list[SavedHandle], reason: Release, task: list, grad_inputs, grad_outputs):
+    """A branch node's post-hook (NOTE [ Release during backward ]): let its handles go
+    once its own pass has run it, and guard it then, not when the pass ends: a pass that
+    a hook or another thread runs meanwhile (``L[1]`` of stacked losses, while ``L[0]``'s
+    runs) sends its zeros through it as through any released node. Its ``RELEASED``
+    mark waits for the end of the pass: that pass goes on below it, so a walk made
+    meanwhile (the other pass's plan) must go through it to what the pass still needs."""
     if task[0] == torch._C._current_graph_task_id():
         release_all(handles, reason)
+        node = torch._C._current_autograd_node()
+        if node is not None:
+            guard_released(node, reason)

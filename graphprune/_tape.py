@@ -431,6 +431,7 @@ class Tape:
         self._inner: list[range] = []  # windows of the tapes opened inside this one
         self._thread = None
         self._hooks = None
+        self._pack = None
         self._mode = None
 
     # -- context manager ---------------------------------------------------------------
@@ -448,6 +449,7 @@ class Tape:
             pack = self.timeline.pack_hook(self.id)
         hooks = torch.autograd.graph.saved_tensors_hooks(pack, SavedHandle.unpack)
         hooks.__enter__()
+        self._pack = pack
         if self.modules is not None:
             self.modules.start()
         if not tapes:  # one recorder per thread: the outermost tape's
@@ -466,20 +468,36 @@ class Tape:
         if threading.get_ident() != self._thread:
             raise RuntimeError("graphprune.track: a tape must be closed in the thread that opened it")
         tapes = _open_tapes()
+        index = tapes.index(self)
+        last = index == len(tapes) - 1
         try:
             tapes.remove(self)
             if self._mode is not None:
-                self._mode.__exit__(*exc)
+                if last or not tapes:
+                    self._mode.__exit__(*exc)
+                else:  # NOTE [ A tape closed out of order ]: the recorder stays, the outermost's now
+                    tapes[0]._mode, self._mode = self._mode, None
         finally:
             if self.modules is not None:
                 self.modules.stop()
-            self._hooks.__exit__(*exc)
-            self._hooks = self._mode = None
-            self.end_seq = torch._C._autograd._get_sequence_nr()
-            if tapes:
-                tapes[-1]._inner.append(range(self.first_seq, self.end_seq))
+            if last:
+                self._hooks.__exit__(*exc)
             else:
+                _pop_hooks_of(self._pack)
+            self._hooks = self._mode = self._pack = None
+            self.end_seq = torch._C._autograd._get_sequence_nr()
+            if index:  # the tape it was opened in
+                tapes[index - 1]._inner.append(range(self.first_seq, self.end_seq))
+            elif not tapes:
                 _outputs.settle()
+
+    # NOTE [ A tape closed out of order ]
+    # A generator that yields inside ``track()`` closes its tape when it is closed or
+    # collected, which may be while a tape opened after it is still open (``gen.close()``
+    # in the user's block). PyTorch's saved-tensor hooks are a stack: popping the top
+    # would take the open tape's hooks away and leave the closed one's. So a tape that
+    # is not the innermost takes out its own hooks from under the later ones, and hands
+    # the output recorder, which the outermost tape holds, to the tape that is now.
 
     def owns(self, node, handles, kind: str) -> bool:
         """Whether this tape's forward built ``node``, which saved ``handles`` (of ``kind``)."""
@@ -521,6 +539,22 @@ class Tape:
     def __repr__(self) -> str:
         state = "active" if self._hooks is not None else "closed"
         return f"<graphprune.Tape {self.id} {state}>"
+
+
+def _pop_hooks_of(pack) -> None:
+    """Take the saved-tensor hooks whose pack hook is ``pack`` out of this thread's stack
+    of them, those pushed after it kept in their order (NOTE [ A tape closed out of
+    order ]); nothing where they are not on it."""
+    autograd = torch._C._autograd
+    top, pop = autograd._top_saved_tensors_default_hooks, autograd._pop_saved_tensors_default_hooks
+    above = []
+    while (hooks := top(False)) is not None and hooks[0] is not pack:
+        above.append(hooks)
+        pop()
+    if hooks is not None:
+        pop()
+    for hooks in reversed(above):
+        autograd._push_saved_tensors_default_hooks(*hooks)
 
 
 def track(*, timeline=None, modules=False) -> Tape:

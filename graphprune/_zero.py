@@ -88,7 +88,7 @@ def _zero_or_raise(grad_outputs) -> None:
         if grads and grads[0].device.type not in IMMEDIATE:
             _defer(node, task, grads)
         elif _any_nonzero(node, grads):
-            raise ReleasedTensorError(released_message(node, node.metadata.get(RELEASED)))
+            raise ReleasedTensorError(released_message(node, _released_by(node)))
         with _lock:
             _zero_pass.add(key)
     md = node.metadata
@@ -97,6 +97,13 @@ def _zero_or_raise(grad_outputs) -> None:
             if _ZEROING not in md:
                 _register_zeroing(node)
                 md[_ZEROING] = True
+
+
+def _released_by(node):
+    """What released ``node``'s tensors: its ``RELEASED`` mark, or where its pass is
+    still running, its guard's."""
+    md = node.metadata
+    return md.get(RELEASED) or md.get(GUARDED)
 
 
 def _register_zeroing(node) -> None:
@@ -126,7 +133,7 @@ def _any_nonzero(node, grads) -> bool:
         return any(bool(g.any()) for g in grads)
     except RuntimeError as e:  # a batched pass (vmap, is_grads_batched): no value can be read
         raise ReleasedTensorError(
-            released_message(node, node.metadata.get(RELEASED))
+            released_message(node, _released_by(node))
             + " The pass is batched (torch.vmap, is_grads_batched=True), so graphprune cannot check "
             "that only zeros reach this node; a pass through gp.grad knows it from gradient routing "
             "where it can."
@@ -137,7 +144,7 @@ def _defer(node, task: int, grads) -> None:
     flag = torch.stack([g.any() for g in grads]).any()  # on the device: no wait
     with _lock:
         first = task not in _deferred
-        _deferred.setdefault(task, []).append((node.name(), node.metadata.get(RELEASED), flag))
+        _deferred.setdefault(task, []).append((node.name(), _released_by(node), flag))
     if first:
         torch.autograd.Variable._execution_engine.queue_callback(lambda: _check_deferred(task))
 
@@ -175,13 +182,13 @@ def forget(keys) -> None:
         _zero_pass.difference_update(keys)
 
 
-def guard_released(node, md=None) -> None:
-    """Let zero-gradient passes through ``node`` (a wrapper); once per node. ``md`` is
-    its ``metadata``, if the caller has it."""
+def guard_released(node, reason, md=None) -> None:
+    """Let zero-gradient passes through ``node`` (a wrapper), whose tensors ``reason``
+    released; once per node. ``md`` is its ``metadata``, if the caller has it."""
     if md is None:
         md = node.metadata
     if GUARDED not in md:
-        md[GUARDED] = True
+        md[GUARDED] = reason  # named by a non-zero gradient's error until the RELEASED mark is there
         node._register_hook_dict(_PROBE)  # NOTE [ A guard registered when first needed ]
 
 

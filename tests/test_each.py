@@ -111,6 +111,43 @@ def test_backward_each_runs_the_trunk_once():
     assert len(runs) == 1
 
 
+def test_backward_each_cut_keeps_only_its_own_pass_s_gradient_at_the_cut():
+    # a hook in head 0 ran aux.backward() through the trunk during head 0's pass to the
+    # cut: the cut's prehook kept aux's gradient as head 0's, so W.grad was
+    # 0 * l0's + l1's + 2 * aux's, silently
+    torch.manual_seed(0)
+    w = torch.randn(4, 4, requires_grad=True)
+    v0, v1 = torch.randn(4, 4, requires_grad=True), torch.randn(4, 4, requires_grad=True)
+    scale = torch.randn(4, requires_grad=True)
+    inp = torch.randn(3, 4)
+
+    def run(each):
+        for p in (w, v0, v1, scale):
+            p.grad = None
+        with gp.track():
+            s = scale.exp()  # built before the trunk: its node runs after the cut's
+            x = (inp @ w).tanh()
+            losses = [((x @ v0) * s).sin().sum(), (x @ v1).cos().sum()]
+            aux = (x * 3).sum()
+        done = []
+
+        def hook(g):
+            if not done:
+                done.append(True)
+                aux.backward(retain_graph=True)
+            return g
+
+        s.register_hook(hook)
+        each(losses)
+        assert done
+        return [p.grad.clone() for p in (w, v0, v1, scale)]
+
+    expected = run(lambda losses: [loss.backward(retain_graph=True) for loss in losses])
+    for got, want in zip(run(lambda losses: gp.backward_each(losses, strategy="cut")), expected):
+        assert_close(got, want)
+    assert gp.last_report().strategy.startswith("cut:")
+
+
 def test_backward_each_heads_tapping_three_depths_need_no_single_cut():
     def build(trunk, heads, inp):
         a = trunk[1](trunk[0](inp))

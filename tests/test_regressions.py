@@ -177,6 +177,39 @@ def test_nested_tapes_attribute_nodes_to_the_innermost():
     assert y.requires_grad
 
 
+def test_a_generator_s_tape_closed_inside_a_later_block_leaves_that_block_tracked():
+    # gen.close() inside the user's track() block closed the generator's (outer) tape
+    # first: the recorder went with it and the user's tape lost its saved-tensor hooks,
+    # so keep=None did not see l2, and l2.backward() met ReleasedTensorError
+    w, inp = torch.randn(4, 4, requires_grad=True), torch.randn(3, 4)
+
+    def features():
+        with gp.track():
+            while True:
+                yield (inp @ w).tanh()
+
+    def step(close_inside):
+        w.grad = None
+        hooks_before = torch._C._autograd._top_saved_tensors_default_hooks(False)
+        gen = features()
+        next(gen)
+        with gp.track() as tape:
+            if close_inside:
+                gen.close()
+            assert torch._C._len_torch_function_stack() == 1  # the recorder
+            c = (inp @ w).exp()
+            l1, l2 = (c * c).sum(), c.sin().sum()
+        gen.close()
+        assert torch._C._len_torch_function_stack() == 0
+        assert torch._C._autograd._top_saved_tensors_default_hooks(False) == hooks_before
+        assert "MulBackward0" in {d["op"] for d in tape.graph().nodes.values()}
+        gp.backward(l1)
+        l2.backward()
+        return w.grad.clone()
+
+    assert_close(step(close_inside=True), step(close_inside=False))
+
+
 def test_bytes_held_by_other_hooks_are_reported_unknown_not_zero():
     w = torch.randn(1000, requires_grad=True)
     with gp.track():

@@ -50,6 +50,22 @@ def test_little_freed_because_of_a_held_sum_of_losses_warns_naming_it():
 
 
 
+@pytest.mark.parametrize("strategy", ["cut", "passes"])
+def test_a_held_metric_of_the_feature_is_no_sum_of_the_losses(strategy):
+    # the cut's trunk pass starts at the feature: a scalar held of it (aux, which saves
+    # nothing of its own) looked "computed from the losses", and backward_each warned of
+    # a held sum under strategy="cut" only
+    torch.manual_seed(0)
+    w = torch.randn(4, 4, requires_grad=True)
+    heads = [torch.randn(4, 4, requires_grad=True) for _ in range(2)]
+    with gp.track():
+        x = (torch.randn(3, 4) @ w).tanh()
+        losses = [(x @ heads[0]).sin().sum(), (x @ heads[1]).cos().sum()]
+        aux = (x * 3).sum()  # logged, never backpropagated: a pending loss, which keeps x's graph
+    assert _record(lambda: gp.backward_each(losses, strategy=strategy)) == []
+    assert "aux" in gp.last_report().kept[0].reason and aux.requires_grad
+
+
 def test_no_held_sum_warning_where_a_create_graph_pass_keeps_what_stays():
     # MAML's inner loop: a fast weight (one element, held) built from one task's
     # create_graph=True gradient, then gp.grad(create_graph=True) on the next task's

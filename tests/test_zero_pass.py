@@ -454,3 +454,42 @@ def test_two_threads_first_zero_passes_through_a_released_node_register_its_zero
     for got in grads.values():
         assert_close(got, 2 * w0.exp() ** 2)
     assert sorted(grads) == ["A", "B"]
+
+
+def test_a_pass_a_hook_runs_during_gp_backward_sends_its_zeros_through_what_that_pass_released():
+    # L[1]'s pass, started by a hook inside L[0]'s gp.backward, ran head 0's nodes that
+    # L[0]'s pass had released as it went, with zeros: they had no guard until that
+    # pass ended, and raised ReleasedTensorError where plain PyTorch runs
+    torch.manual_seed(0)
+    w = torch.randn(8, 8, requires_grad=True)
+    heads = [torch.randn(8, 8, requires_grad=True) for _ in range(2)]
+    inp = torch.randn(4, 8)
+
+    def run(backward):
+        for p in (w, *heads):
+            p.grad = None
+        with gp.track():
+            x = (inp @ w).tanh()
+            losses, mids = [], []
+            for h in heads:
+                z = (x @ h).sin()
+                mids.append(z)
+                losses.append((z @ h).sin().pow(2).mean())
+            stacked = torch.stack(losses)
+            first, second = stacked[0], stacked[1]
+        done = []
+
+        def hook(g):
+            if not done:
+                done.append(True)
+                backward(second)
+            return g
+
+        mids[0].register_hook(hook)
+        backward(first)
+        assert done
+        return [p.grad.clone() for p in (w, *heads)]
+
+    expected = run(lambda loss: loss.backward(retain_graph=True))
+    for got, want in zip(run(gp.backward), expected):
+        assert_close(got, want)
