@@ -82,8 +82,8 @@ def exclusive_keys(by_storage: dict[int, list]) -> list[int]:
                 continue
             if key >= 0:  # a negative key: no storage address
                 extra = uses(key) - 1 - h.view  # storages() made a view's storage object
-                if extra == 1 and not h.view:  # the storage's Python object, or one other use
-                    extra = _other_uses(h.tensor, key, 1, False)
+                if extra == 1 and not h.view or extra == 0 and h.view:  # the storage's Python
+                    extra = _other_uses(h.tensor, key, 1, h.view)  # object, or one other use
                 if extra > 0:
                     continue
             keys.append(key)
@@ -130,9 +130,26 @@ def _other_uses(t: torch.Tensor, address: int, distinct: int, made: bool) -> int
     uses = torch._C._storage_Use_Count
     extra = uses(address) - distinct - made
     if extra == 1 and not made:
-        t.untyped_storage()
+        storage = t.untyped_storage()
         extra = uses(address) - distinct - 1
+    elif extra == 0 and made:
+        storage = t.untyped_storage()
+    else:
+        return extra
+    if extra == 0 and sys.getrefcount(storage) > _STORAGE_OBJECT_REFS:  # the program holds it
+        return 1  # (``s = t.untyped_storage()``): what it holds stays
     return extra
+
+
+def _storage_object_refs() -> int:
+    """``sys.getrefcount`` of a storage's Python object that one local name holds and
+    nothing else does but the storage itself (PyTorch keeps it for the storage's life)."""
+    t = torch.empty(1)
+    storage = t.untyped_storage()
+    return sys.getrefcount(storage)
+
+
+_STORAGE_OBJECT_REFS = _storage_object_refs()
 
 
 @dataclass(frozen=True)

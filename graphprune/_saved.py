@@ -69,7 +69,8 @@ class SavedHandle:
     ``tensor`` is ``t.detach()``, never ``t`` itself: the live tensor carries its
     ``grad_fn``, and for saved outputs that is a reference cycle through C++ that
     ``gc`` cannot break (DESIGN.md fact 2). A leaf (a parameter, an input, a mask)
-    has no ``grad_fn``, so it is held as it is: no new object in the forward.
+    has no ``grad_fn``, so it is held as it is: no new object in the forward. ``leaf``
+    is also true of a view of a leaf (``weight.t()``): its storage is the leaf's.
     """
 
     __slots__ = ("tensor", "version", "tape", "leaf", "view", "released_by", "meta", "__weakref__")
@@ -152,7 +153,9 @@ def pack_hook(tape: int):
                 return _handle(t, tape)
         if t.is_leaf:
             return SavedHandle(t, t._version, tape, True, t._is_view())
-        return SavedHandle(t.detach(), t._version, tape, False, t._is_view())
+        if t._is_view():  # of a parameter (``weight.t()``, a linear layer's) or of an activation
+            return SavedHandle(t.detach(), t._version, tape, t._base.is_leaf, True)
+        return SavedHandle(t.detach(), t._version, tape, False, False)
 
     pack.__graphprune__ = True
     return pack
@@ -161,7 +164,9 @@ def pack_hook(tape: int):
 def _handle(t: torch.Tensor, tape: int) -> SavedHandle:
     if t.is_leaf:
         return SavedHandle(t, t._version, tape, True, t._is_view())
-    return SavedHandle(t.detach(), t._version, tape, False, t._is_view())
+    if t._is_view():
+        return SavedHandle(t.detach(), t._version, tape, t._base.is_leaf, True)
+    return SavedHandle(t.detach(), t._version, tape, False, False)
 
 
 # NOTE [ Reads no mode sees ]

@@ -107,11 +107,9 @@ class Timeline:
         def counted(t: torch.Tensor) -> SavedHandle:
             h = pack(t)
             if h.leaf:
-                if t.requires_grad:  # a parameter: not the graph's memory
+                if t.requires_grad:  # a parameter, or a view of one (``weight.t()``): not the graph's memory
                     return h
                 h.tensor = t.detach()  # an alias of its own, to see when the handle lets go
-            elif h.view and _is_parameter(t._base):  # ``weight.t()``, saved by a linear layer
-                return h
             self._add(h)
             return h
 
@@ -152,10 +150,6 @@ class Timeline:
 
     def __repr__(self) -> str:
         return f"<graphprune.Timeline {self.label!r}: {len(self.events)} events, peak {self.peak} B>"
-
-
-def _is_parameter(base) -> bool:
-    return base is not None and base.is_leaf and base.requires_grad
 
 
 def plot_timeline(runs, path: str, title: str | None = None) -> None:

@@ -103,6 +103,41 @@ def test_bytes_freed_counts_a_storage_whose_python_object_exists():
         assert report.bytes_freed == 8 * 8 * 4, made_by
 
 
+def test_bytes_freed_leaves_out_a_storage_whose_python_object_the_program_holds():
+    # s = h.untyped_storage() keeps h's memory after the prune: it was counted as freed
+    # (the storage's object, which PyTorch keeps for the storage's life, counted no use)
+    for saved_view in (False, True):
+        w = torch.randn(8, 8, requires_grad=True)
+        with gp.track():
+            x = (torch.randn(8, 8) @ w).relu()
+            h = x @ w
+            y1 = (h[0:4] if saved_view else h).exp().sum()  # ExpBackward0 saves its result
+        s = y1.grad_fn.next_functions[0][0]._raw_saved_result.data.tensor.untyped_storage()
+        del h
+        y1.backward(retain_graph=True)
+        assert gp.explain(y1, keep=x).bytes_freed == 0, saved_view
+        assert gp.prune_after(y1, keep=x).bytes_freed == 0, saved_view
+        assert s.nbytes() > 0
+
+
+def test_bytes_kept_leaves_out_the_parameters_a_linear_layer_saves_as_views():
+    # nn.Linear saves weight.t(), a view of a parameter that is no leaf: bytes_kept
+    # counted each weight of the trunk as the graph's memory
+    torch.manual_seed(0)
+    trunk = torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.ReLU(), torch.nn.Linear(64, 64),
+                                torch.nn.ReLU())
+    head = torch.nn.Linear(64, 64)
+    inp = torch.randn(32, 64)  # the program holds it: not the graph's memory either
+    with gp.track():
+        hidden = trunk[1](trunk[0](inp))
+        x = trunk[3](trunk[2](hidden))
+        y1 = head(x).tanh().sum()
+    y1.backward(retain_graph=True)
+    activations = hidden.nbytes + x.nbytes  # what the trunk's ReLUs and second layer saved
+    assert gp.explain(y1, keep=x).bytes_kept == activations
+    assert gp.prune_after(y1, keep=x).bytes_kept == activations
+
+
 def test_bytes_freed_of_a_pass_stopped_at_inputs_counts_only_the_nodes_it_ran():
     w = torch.randn(64, requires_grad=True)
     with gp.track():
