@@ -40,8 +40,7 @@ import contextlib
 import dataclasses
 import functools
 import itertools
-from collections.abc import Mapping
-from typing import Callable
+from collections.abc import Callable, Mapping
 
 import torch
 from torch.autograd.graph import GradientEdge
@@ -223,6 +222,11 @@ def _backward_each(losses, keep, strategy: str, notes: _Notes) -> list[PruneRepo
             plan.release()
             text = f"cut: {len(items)} head pass(es), the trunk released after the last{why}"
             reports.append(_remember(dataclasses.replace(report, strategy=text), ran=False))
+        else:  # one loss, or graphs that share nothing (per-domain batches): each pass freed its own
+            graphs = [i for i, r in enumerate(reports) if r.strategy != _LEAF_TEXT]
+            if graphs:
+                text = f"cut: {len(items)} head pass(es), no trunk pass to run once{why}"
+                reports[graphs[-1]] = _relabel(reports[graphs[-1]], text)
         return reports
     cut.clear()
     _, report = _pass(call, None, keep, (), lambda: torch.autograd.backward(edges, grads, retain_graph=True),

@@ -262,7 +262,8 @@ class Plan:
                 f"{call}: keep= reaches no node of the graph of {what}, its parameters aside, so it "
                 "protects nothing this call releases (a tensor of another forward's graph, an earlier "
                 "batch's, or one whose graph an earlier prune released). Name the tensor a later "
-                "backward pass starts from, or the intermediate it is built on (the trunk's output x)."
+                "backward pass starts from, or the intermediate it is built on (the trunk's output x).",
+                f"{call}: keep= reaches nothing",  # the text names y's shape: batches differ
             )
         # a pass ran from each output: it is finished unless keep= (or a guard) names it as
         # where a later pass starts, even when another live loss (a held sum) protects it
@@ -798,7 +799,7 @@ def _tensor_text(t: torch.Tensor, part) -> str:
 
 
 def _pending_text(t: torch.Tensor, part) -> str:
-    return f"{_tensor_text(t, part)}, not backpropagated yet"
+    return f"{_tensor_text(t, part)}, not backpropagated through graphprune yet"
 
 
 _PENDING, _RUN_THROUGH, _EARLIER, _STARTED = 0, 1, 2, 3  # a candidate's rank: the likelier a later

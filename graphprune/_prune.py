@@ -278,7 +278,10 @@ def grad(
 
 def last_report() -> PruneReport | None:
     """The report of this thread's last :func:`prune_after`, :func:`backward`,
-    :func:`grad` or :func:`explain` call (``None`` before the first)."""
+    :func:`grad` or :func:`explain` call, or of the last pass of
+    :func:`~graphprune.backward_each`, :func:`~graphprune.grads_each` or a call that
+    :func:`~graphprune.pruning` routed (``None`` before the first); :func:`~graphprune.render`
+    leaves it as it was."""
     return getattr(_last, "report", None)
 
 

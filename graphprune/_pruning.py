@@ -141,7 +141,8 @@ def pruning(*, keep=None) -> Pruning:
 
     Raises:
         RuntimeError: the block is entered twice, or closed in another thread.
-        TypeError, ValueError: ``keep`` is no tensor or node, or needs no grad.
+        TypeError, ValueError: ``keep`` is no tensor or node, or needs no grad (raised
+            when the block is entered).
 
     Example::
 

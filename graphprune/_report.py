@@ -169,7 +169,9 @@ class KeptReason:
 @dataclass(frozen=True)
 class PruneReport:
     """The outcome of :func:`~graphprune.prune_after`, :func:`~graphprune.backward`,
-    :func:`~graphprune.grad` or :func:`~graphprune.explain` (``dry_run=True``).
+    :func:`~graphprune.grad` or :func:`~graphprune.explain` (``dry_run=True``), or of
+    one pass of :func:`~graphprune.backward_each`, :func:`~graphprune.grads_each` or a
+    call that :func:`~graphprune.pruning` routed.
 
     Byte counts are of unique storages: ``bytes_freed`` counts only storages that
     nothing but the released handles used, ``bytes_kept`` the storages the kept part

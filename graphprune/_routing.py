@@ -23,7 +23,7 @@ cannot read what it needs passes ``ALL`` to every child.
 from __future__ import annotations
 
 import operator
-from typing import Callable
+from collections.abc import Callable
 
 import numpy as np
 import torch

@@ -329,6 +329,30 @@ def test_a_leaf_placeholder_loss_runs_as_in_the_plain_loop(helper, where, lazy):
     assert_close(run(True), run(False))
 
 
+@pytest.mark.parametrize("how", ["one_loss", "disjoint", "disjoint_lazy"])
+def test_backward_each_s_last_report_names_the_strategy_where_no_trunk_is_shared(how):
+    # one loss, or per-domain batches whose graphs share no node: every report's strategy was None
+    torch.manual_seed(0)
+    w = torch.randn(4, 3, requires_grad=True)
+    batches = [torch.randn(2, 4) for _ in range(2 if how != "one_loss" else 1)]
+
+    def build(b):
+        return (b @ w).sin().pow(2).mean()
+
+    with gp.track():
+        lazy = how == "disjoint_lazy"
+        losses = [lambda b=b: build(b) for b in batches] if lazy else [build(b) for b in batches]
+        reports = gp.backward_each(losses)
+    expected = w.grad.clone()
+    w.grad = None
+    for b in batches:
+        build(b).backward()
+    assert_close(expected, w.grad)
+    assert [r.strategy for r in reports[:-1]] == [None] * (len(reports) - 1)
+    assert reports[-1].strategy == f"cut: {len(batches)} head pass(es), no trunk pass to run once"
+    assert gp.last_report().strategy == reports[-1].strategy
+
+
 def test_backward_each_names_a_bad_strategy():
     w = torch.ones(2, requires_grad=True)
     with pytest.raises(ValueError, match='strategy must be "cut" or "passes", got \'fast\''):

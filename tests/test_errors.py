@@ -109,6 +109,25 @@ def test_inplace_modification_of_saved_tensor_raises_like_pytorch():
         s.sum().backward()
 
 
+def test_a_parameter_an_optimizer_step_updated_between_passes_is_named_as_such():
+    # the hint said "Clone the tensor before modifying it in place", which no step can do
+    net = torch.nn.Sequential(torch.nn.Linear(3, 3), torch.nn.Tanh(), torch.nn.Linear(3, 3))
+    opt = torch.optim.SGD(net.parameters(), lr=0.1)
+    with gp.track():
+        x = net(torch.ones(2, 3))  # the second layer saves its weight (its input needs grad)
+        l1, l2 = x.sum(), x.pow(2).sum()
+    l1.backward(retain_graph=True)
+    opt.step()  # between the heads' passes: the weight the graph saved is now another
+    with pytest.raises(gp.InplaceModifiedError, match=r"optimizer.step\(\) between two backward passes") as e:
+        l2.backward()
+    assert "Clone the tensor before" not in str(e.value)
+    l1, l2 = net(torch.ones(2, 3)).sum(), None  # plain PyTorch raises there too
+    l1.backward(retain_graph=True)
+    opt.step()
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        l1.backward()
+
+
 def test_inplace_on_unsaved_tensor_is_fine():
     w = torch.randn(3, requires_grad=True)
     with gp.track():

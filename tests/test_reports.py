@@ -264,3 +264,16 @@ def test_a_tensor_a_module_stack_made_is_filed_at_the_users_line():
     for kept, line in ((h, h_line), (a, a_line)):
         (reason,) = gp.explain(y, keep=kept).kept
         assert reason.reason.endswith(f"created at test_reports.py:{line}"), reason.reason
+
+
+def test_a_pending_loss_is_named_as_not_backpropagated_through_graphprune():
+    # a plain retained pass is not seen: the report said "not backpropagated yet" of a loss
+    # that pass had run through
+    w = torch.ones(4, requires_grad=True)
+    with gp.track():
+        x = w.exp()
+        l1, l2 = x.sin().sum(), x.cos().sum()
+    l2.backward(retain_graph=True)  # plain PyTorch, outside graphprune
+    reasons = [k.reason for k in gp.backward(l1).kept]
+    assert len(reasons) == 1 and reasons[0].startswith("l2 (tensor of shape ()")
+    assert reasons[0].endswith(", not backpropagated through graphprune yet")

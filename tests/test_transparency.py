@@ -18,7 +18,8 @@ import threading
 import types
 import warnings
 import weakref
-from typing import Any, Callable, NamedTuple
+from collections.abc import Callable
+from typing import Any, NamedTuple
 
 import numpy as np
 import pytest

@@ -263,6 +263,22 @@ def test_keep_that_reaches_nothing_of_the_graph_warns_it_protects_nothing(how):
     assert caught[0].filename == __file__
 
 
+def test_keep_that_reaches_nothing_warns_once_per_call_site_whatever_the_batch_shape():
+    # the message names y's shape: each new batch size (an epoch's last batch) warned again
+    w, v = torch.ones(3, 5, requires_grad=True), torch.ones(5, requires_grad=True)
+
+    def steps():
+        for n in [8, 8, 5, 7, 5]:
+            with gp.track():
+                stale = v.exp()  # another graph's tensor: keep= of it protects nothing here
+                y = (torch.ones(n, 3) @ w).sin()
+            gp.backward(y, torch.ones_like(y), keep=stale)
+
+    caught = _record(steps)
+    assert len(caught) == 1 and "keep= reaches no node of the graph of" in str(caught[0].message)
+    assert "shape (8, 5)" in str(caught[0].message)  # the first call's text, in full
+
+
 def test_keep_that_meets_the_graph_does_not_warn():
     w, v = torch.ones(3, requires_grad=True), torch.ones(3, requires_grad=True)
     with gp.track():
