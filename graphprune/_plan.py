@@ -238,7 +238,9 @@ class Plan:
         self._candidates = _candidates(self.finished, pending, ys, earlier)
         what = self._what = ", ".join(
             [_outputs.describe(t) for t in ys] + [f"the gradient into {name(e.node)}" for e in edges])
-        self.reason = Release(f"{call}({what})", self._candidates)
+        # the tensors the call's outputs are entries of (per_task[0]): its pass ran through all of them
+        self.reason = Release(f"{call}({what})", self._candidates,
+                              entries_of=frozenset(id(t._base) for t in ys if t._base is not None))
         self._losses = losses = [p for p in pending if _may_start_a_pass(*p)] if keep is None else []
         if keep is None:
             protect = [(fn, functools.partial(_pending_text, t, part)) for fn, _, part, t in losses]
@@ -531,7 +533,7 @@ class Plan:
         """The pass raised: keep what it had not used, and say where the rest went."""
         self._disarm()
         reason = Release(f"{self.reason.text}, whose pass raised before it finished", self._candidates,
-                         self.reason.note, self.reason.routed)
+                         self.reason.note, self.reason.routed, self.reason.entries_of)
         ran = [node for node, live in self.handles_by_node.items() if any(h.released for h in live)]
         for node in ran:
             for h in self.handles_by_node[node]:
@@ -826,14 +828,16 @@ class Release:
     """Why handles were released: the call, as text, and the live tensors a later
     pass may have started from, to name in the error that pass meets."""
 
-    __slots__ = ("text", "_candidates", "note", "routed", "__weakref__")  # weakly: NOTE [ No node released ]
+    # weakly referenced: NOTE [ No node released ]
+    __slots__ = ("text", "_candidates", "note", "routed", "entries_of", "__weakref__")
 
     def __init__(self, text: str, candidates: list, note: str | None = None,
-                 routed: str | None = None) -> None:
+                 routed: str | None = None, entries_of: frozenset = frozenset()) -> None:
         self.text = text
         self._candidates = [(weakref.ref(t), part, rank) for t, part, rank in candidates]
         self.note = note  # what to do, where keep= cannot help (a lazy head's callable built it)
         self.routed = routed  # the torch call pruning() made this one of, whose code you may not edit
+        self.entries_of = entries_of  # ids of the live tensors the call's outputs are views of
 
     def __str__(self) -> str:
         if self.routed is None:
@@ -872,6 +876,10 @@ class Release:
         why = {_PENDING: "", _RUN_THROUGH: " (the pass it followed had run through it)",
                _EARLIER: " (an earlier call's pass had run through it)",
                _STARTED: " (that call's own output)"}[rank]
+        if rank == _RUN_THROUGH and part is ALL and id(t) in self.entries_of:
+            # an entry of losses in a vector (a per-task mean(0)): the pass from per_task[0] ran through it
+            why = why[:-1] + (", all of it: only torch.stack, torch.cat and losses[i] = l_i keep "
+                              "track of which entries a pass ran from)")
         where = (f"Pass {advice} to that call" if self.routed is None else
                  f"Open the graphprune.pruning() block with {advice.replace('it as', 'that tensor as')}")
         return (

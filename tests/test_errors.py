@@ -240,6 +240,32 @@ def test_a_head_built_after_the_last_of_two_heads_is_told_keep_x_not_the_last_lo
         late.backward()
 
 
+def test_the_hint_says_a_vector_of_losses_a_pass_ran_from_one_entry_of_counts_as_run_through():
+    # per_task = mse(reduction="none").mean(0): the pass from per_task[0] runs through its
+    # MeanBackward; the hint said only "the pass it followed had run through it"
+    w = torch.randn(4, 3, requires_grad=True)
+    with gp.track():
+        per_task = ((torch.randn(5, 4) @ w).tanh() - 1).pow(2).mean(0)
+    gp.backward(per_task[0])
+    with pytest.raises(gp.ReleasedTensorError, match=r"The graph of per_task \(tensor of shape \(3,\).*"
+                       r"run through it, all of it: only torch.stack, torch.cat and losses\[i\] = l_i .*"
+                       r"Pass keep=per_task to that call"):
+        per_task[1].backward()
+
+
+def test_the_hint_for_a_feature_says_nothing_of_entries():
+    w = torch.randn(4, 4, requires_grad=True)
+    with gp.track():
+        x = (torch.randn(3, 4) @ w).tanh()
+        loss = x.exp().sum()
+    gp.backward(loss)
+    with gp.track():
+        late = x.sin().sum()
+    with pytest.raises(gp.ReleasedTensorError) as e:
+        late.backward()
+    assert "The graph of x (tensor of shape (3, 4)" in str(e.value) and "all of it" not in str(e.value)
+
+
 def test_the_hint_names_a_tensor_in_a_model_outputs_tuple():
     # out.hidden_states[0] was "a tensor that no variable of the nearest frames names"
     @dataclasses.dataclass
