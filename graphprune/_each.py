@@ -165,9 +165,7 @@ def _backward_each(losses, keep, strategy: str, notes: _Notes) -> list[PruneRepo
         if hooked:
             text += (" (a hook below the cut, or a tensor at it that retains its grad: the cut would "
                      "run it on the heads' summed gradient, not once per loss)")
-        graphs = [i for i, r in enumerate(reports) if r.strategy != _LEAF_TEXT]
-        if graphs:
-            reports[graphs[-1]] = _relabel(reports[graphs[-1]], text)
+        _label_last(reports, text)
         return reports
     reports, cut, whole, ran = [], collections.OrderedDict(), 0, []  # ran: the heads of whole passes
     flushed: list[GradientEdge] = []  # where the trunk ran early: NOTE [ Hooks a later head registers ]
@@ -223,10 +221,7 @@ def _backward_each(losses, keep, strategy: str, notes: _Notes) -> list[PruneRepo
             text = f"cut: {len(items)} head pass(es), the trunk released after the last{why}"
             reports.append(_remember(dataclasses.replace(report, strategy=text), ran=False))
         else:  # one loss, or graphs that share nothing (per-domain batches): each pass freed its own
-            graphs = [i for i, r in enumerate(reports) if r.strategy != _LEAF_TEXT]
-            if graphs:
-                text = f"cut: {len(items)} head pass(es), no trunk pass to run once{why}"
-                reports[graphs[-1]] = _relabel(reports[graphs[-1]], text)
+            _label_last(reports, f"cut: {len(items)} head pass(es), no trunk pass to run once{why}")
         return reports
     cut.clear()
     _, report = _pass(call, None, keep, (), lambda: torch.autograd.backward(edges, grads, retain_graph=True),
@@ -234,6 +229,13 @@ def _backward_each(losses, keep, strategy: str, notes: _Notes) -> list[PruneRepo
     text = f"cut: {len(items)} head pass(es), then the trunk once from {len(edges)} edge(s){why}"
     reports.append(_relabel(report, text))
     return reports
+
+
+def _label_last(reports: list, strategy: str) -> None:
+    """Label the last report of a pass through a graph (a leaf loss's has none) with ``strategy``."""
+    graphs = [i for i, r in enumerate(reports) if r.strategy != _LEAF_TEXT]
+    if graphs:
+        reports[graphs[-1]] = _relabel(reports[graphs[-1]], strategy)
 
 
 def grads_each(losses, inputs, *, keep=None, allow_unused: bool | None = None,

@@ -876,7 +876,7 @@ class Release:
         why = {_PENDING: "", _RUN_THROUGH: " (the pass it followed had run through it)",
                _EARLIER: " (an earlier call's pass had run through it)",
                _STARTED: " (that call's own output)"}[rank]
-        if rank == _RUN_THROUGH and part is ALL and id(t) in self.entries_of:
+        if rank == _RUN_THROUGH and id(t) in self.entries_of:
             # an entry of losses in a vector (a per-task mean(0)): the pass from per_task[0] ran through it
             why = why[:-1] + (", all of it: only torch.stack, torch.cat and losses[i] = l_i keep "
                               "track of which entries a pass ran from)")

@@ -103,16 +103,16 @@ class SavedHandle:
         return t
 
     def _inplace_message(self, t: torch.Tensor) -> str:
+        fix = ("It is a parameter or an input (or a view of one), updated in place: an optimizer.step() "
+               "between two backward passes of one graph does that; run every backward pass of the step "
+               "before the optimizer's step (an input: clone it before modifying it in place)."
+               if self.leaf else "Clone the tensor before modifying it in place.")
         return (
             "graphprune: one of the variables needed for gradient computation has been "
             f"modified by an inplace operation: [{_describe(t)}], saved by "
             f"{node_name(torch._C._current_autograd_node())}, is at version {t._version}; "
             f"expected version {self.version} instead. Hint: PyTorch skips this check while "
-            "saved-tensor hooks are set; graphprune restores it. " + (
-                "It is a parameter or an input (or a view of one), updated in place: an "
-                "optimizer.step() between two backward passes of one graph does that; run every "
-                "backward pass of the step before the optimizer's step (an input: clone it before "
-                "modifying it in place)." if self.leaf else "Clone the tensor before modifying it in place.")
+            f"saved-tensor hooks are set; graphprune restores it. {fix}"
         )
 
 

@@ -121,11 +121,11 @@ def test_a_parameter_an_optimizer_step_updated_between_passes_is_named_as_such()
     with pytest.raises(gp.InplaceModifiedError, match=r"optimizer.step\(\) between two backward passes") as e:
         l2.backward()
     assert "Clone the tensor before" not in str(e.value)
-    l1, l2 = net(torch.ones(2, 3)).sum(), None  # plain PyTorch raises there too
-    l1.backward(retain_graph=True)
+    plain = net(torch.ones(2, 3)).sum()  # plain PyTorch raises there too
+    plain.backward(retain_graph=True)
     opt.step()
     with pytest.raises(RuntimeError, match="modified by an inplace operation"):
-        l1.backward()
+        plain.backward()
 
 
 def test_inplace_on_unsaved_tensor_is_fine():
