@@ -26,7 +26,6 @@ whole list.
 
 from __future__ import annotations
 
-import functools
 import os
 import site
 import sys
@@ -41,8 +40,8 @@ from torch.autograd.graph import Node
 from ._marks import FINISHED
 
 __all__ = [
-    "Output", "note", "note_one", "live", "live_graphs", "live_roots", "hooked_nodes", "output_of",
-    "describe", "name_in_frames", "settle",
+    "Output", "FirstUse", "note", "note_one", "adopt", "in_library", "live", "live_graphs", "live_roots",
+    "hooked_nodes", "output_of", "describe", "name_in_frames", "settle",
 ]
 
 _TORCH_DIR = os.path.dirname(torch.__file__)
@@ -60,6 +59,7 @@ class Output(weakref.ref):
     that it is not looked at again: it protects nothing."""
 
     __slots__ = ("code", "lasti")
+    verb = "created at"  # what where() is, for a message
 
     @property
     def ours(self) -> bool:
@@ -71,13 +71,35 @@ class Output(weakref.ref):
         return _where(self.code, self.lasti)
 
 
-@functools.lru_cache(maxsize=4096)
+class FirstUse(Output):
+    """A tensor with a graph that no torch call under ``track()`` made (a custom
+    ``autograd.Function``'s output: ``apply`` is no torch call), noted where a tracked
+    call first used it: its ``where()`` is that call's line, not the line that made it."""
+
+    __slots__ = ()
+    verb = "first used at"
+
+
+_RECORDS = (Output, FirstUse)
+
+
 def _where(code, lasti: int) -> str:
     """``file.py:line`` of instruction ``lasti`` of ``code``: a scan of its line table
-    (~20 µs in a long function), which every prune's reason text asks for, made once."""
-    line = next((ln for start, end, ln in code.co_lines() if start <= lasti < end), None)
-    return f"{os.path.basename(code.co_filename)}:{line or code.co_firstlineno}"
+    (~20 µs in a long function), which every prune's reason text asks for, made once.
+    Keyed by the code's ``id`` (NOTE [ Code objects as keys ]): two code objects that
+    compare equal (one function in two files) are two sites."""
+    key = (id(code), lasti)
+    made = _where_made.get(key)
+    if made is None:  # the code, held in the entry, keeps its id its own
+        if len(_where_made) > 4096:
+            _where_made.clear()
+        line = next((ln for start, end, ln in code.co_lines() if start <= lasti < end), None)
+        text = f"{os.path.basename(code.co_filename)}:{line or code.co_firstlineno}"
+        made = _where_made[key] = (code, text)
+    return made[1]
 
+
+_where_made: dict[tuple[int, int], tuple] = {}  # (id of code, instruction) -> (code, "file.py:line")
 
 _outputs: list[Output] = []
 _weakrefcount = weakref.getweakrefcount
@@ -98,18 +120,33 @@ _library_files: dict[str, bool] = {}  # a code object's file -> inside a library
 
 
 def note(tensors, ours: bool = True) -> None:
-    """Note ``tensors`` as live outputs; ``ours=False`` for tensors made before any
-    tape opened, noted only so that they are not looked at again."""
+    """Note ``tensors``, which no torch call under a tape made, as live: ``ours`` for
+    those with a graph built under a tape (a custom ``Function``'s outputs, noted where
+    a tracked call first uses them: :class:`FirstUse`), ``ours=False`` for tensors made
+    before any tape opened, noted only so that they are not looked at again."""
     for t in tensors:
         if ours:
-            note_one(t)
+            note_one(t, record=FirstUse)
         elif not weakref.getweakrefcount(t) or output_of(t) is None:
             ref = Output(t)
             ref.code, ref.lasti = None, -1
+            made_before[0] += 1
             _append(ref)
 
 
-def note_one(t: torch.Tensor, frame=None) -> None:
+made_before = [0]  # records note(ours=False) made: while none, in-place ops ask nothing (_tape._adopt)
+
+
+def adopt(ref: Output, frame=None) -> None:
+    """``ref``'s tensor, made before a tape (its record protects nothing), was modified
+    in place under one, so its graph is the tape's now: it protects it from here on, as
+    made at ``frame``'s line (the first frame outside torch and graphprune from it)."""
+    while frame is not None and _inside_library(frame.f_code):
+        frame = frame.f_back
+    ref.code, ref.lasti = (None, 0) if frame is None else (frame.f_code, frame.f_lasti)
+
+
+def note_one(t: torch.Tensor, frame=None, record=Output) -> None:
     """Note ``t``, made by a torch call under a tape, with the user's frame that made
     it: the first one outside torch and graphprune, from ``frame`` (the torch call's
     caller, if the recorder has it) outwards (none in a TorchScript fork's interop
@@ -128,7 +165,7 @@ def note_one(t: torch.Tensor, frame=None) -> None:
         if not inside and (inside is not None or not _inside_library(code)):
             break
         frame = frame.f_back
-    ref = Output(t)
+    ref = record(t)
     if frame is None:
         ref.code, ref.lasti = None, 0
     else:
@@ -148,6 +185,9 @@ def _inside_library(code) -> bool:
             _library_files.clear()
         inside = _library_files[file] = file.startswith(_LIBRARY_DIRS)
     return inside
+
+
+in_library = _inside_library
 
 
 def _append(ref: Output) -> None:
@@ -240,7 +280,7 @@ def hooked_nodes() -> set:
 
 
 def output_of(t: torch.Tensor) -> Output | None:
-    return next((r for r in weakref.getweakrefs(t) if type(r) is Output), None)
+    return next((r for r in weakref.getweakrefs(t) if type(r) in _RECORDS), None)
 
 
 def describe(t: torch.Tensor) -> str:
@@ -252,7 +292,7 @@ def describe(t: torch.Tensor) -> str:
     text = f"tensor of shape {shape}, {t.dtype}"
     ref = output_of(t)
     if ref is not None and ref.ours:
-        text += f", created at {ref.where()}"
+        text += f", {ref.verb} {ref.where()}"
     return text
 
 

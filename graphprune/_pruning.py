@@ -44,7 +44,7 @@ from torch.overrides import TorchFunctionMode
 from . import _prune
 from ._plan import _keep_roots
 from ._report import PruneReport
-from ._warn import is_module_namespace
+from ._warn import is_module_namespace, stands_for, warning_namespace
 
 __all__ = ["pruning", "Pruning"]
 
@@ -249,14 +249,16 @@ def _at(site, fn, args):
         return fn(*args)
     key = (site.f_code, site.f_lineno)
     trampoline = _sites.get(key)
-    if trampoline is None or trampoline.__globals__ is not site.f_globals:
+    if trampoline is None or not stands_for(trampoline.__globals__, site.f_globals):
         if len(_sites) > 4096:
             _sites.clear()
         line = max(2, key[1] or site.f_code.co_firstlineno)
         code = _CODE.replace(co_filename=site.f_code.co_filename, co_firstlineno=line - 1)
-        trampoline = types.FunctionType(code, site.f_globals, _TRAMPOLINE)
         if is_module_namespace(site.f_globals):  # no exec'd globals kept (_tape._call_site)
-            _sites[key] = trampoline
+            small = warning_namespace(site.f_globals)
+            trampoline = _sites[key] = types.FunctionType(code, small, _TRAMPOLINE)
+        else:
+            trampoline = types.FunctionType(code, site.f_globals, _TRAMPOLINE)
     return trampoline(fn, args)
 
 

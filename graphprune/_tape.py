@@ -19,7 +19,7 @@ from ._marks import mark_hooked
 from ._routing import stamp_setitem
 from ._saved import SavedHandle, _modes_on, _NoTorchFunction, pack_hook
 from ._timeline import Timeline
-from ._warn import is_module_namespace
+from ._warn import is_module_namespace, warning_namespace
 
 __all__ = ["Tape", "track"]
 
@@ -64,6 +64,26 @@ def _open_tapes() -> list:
 def _is_inplace(func) -> bool:
     name = getattr(func, "__name__", "")
     return name in _INPLACE_DUNDERS or (name.endswith("_") and not name.startswith("_"))
+
+
+def _lives_on(func) -> bool:
+    """Whether ``func`` lives as long as the program whether graphprune holds it or
+    not: a C function or a descriptor of a module or a class, or a function of a
+    library's module (torch's ``F.*``) that closes over nothing. A user's overridable
+    function (``handle_torch_function(f, ...)``) may be made per call, closing over
+    what it uses, or live in a namespace that dies (``runpy``)."""
+    kind = type(func)
+    if kind is types.FunctionType:
+        return func.__closure__ is None and _outputs.in_library(func.__code__) and is_module_namespace(
+            func.__globals__)
+    if kind in _UNBOUND_KINDS:
+        return True
+    return kind in _BOUND_KINDS and isinstance(func.__self__, _LASTING_OWNERS)
+
+
+_UNBOUND_KINDS = (types.MethodDescriptorType, types.WrapperDescriptorType, types.ClassMethodDescriptorType)
+_BOUND_KINDS = (types.BuiltinFunctionType, types.MethodWrapperType)  # torch.add; a property's __get__
+_LASTING_OWNERS = (types.ModuleType, type, types.GetSetDescriptorType, types.MemberDescriptorType, property)
 
 
 def _own_pack_hook():
@@ -120,17 +140,21 @@ class _OutputRecorder(TorchFunctionMode):
 def _record(func, args, kwargs, call, frame):
     """Make the call through ``call`` (the caller's call site) and note what it made."""
     if func is _SETITEM and args and type(args[0]) is _Tensor:
-        return _call_setitem(call, func, args, kwargs)
+        return _call_setitem(call, func, args, kwargs, frame)
     inplace = _inplace_funcs.get(func)
     if inplace is None:
-        inplace = _inplace_funcs[func] = _is_inplace(func)
+        inplace = _is_inplace(func)
+        if _lives_on(func):  # not a closure or a bound method made per call: their captures would stay
+            _inplace_funcs[func] = inplace
     if inplace:  # rare: an in-place method, or a tensor hook's registration
         if inplace is _REGISTERS_A_HOOK:
             return _call_registering_hook(call, func, args, kwargs)
         if inplace is _ADDS_A_HOOK:
             _before_a_hook(call)
-        elif args and isinstance(args[0], _Tensor) and _is_view(args[0]):
-            return _call_inplace_on_view(call, func, args, kwargs)
+        elif args and isinstance(args[0], _Tensor):
+            if _is_view(args[0]):
+                return _call_inplace_on_view(call, func, args, kwargs, frame)
+            return _call_inplace(call, func, args, kwargs, frame)
     out = call(func, args, kwargs)
     if type(out) is _Tensor:  # the common case, inlined
         try:
@@ -142,6 +166,8 @@ def _record(func, args, kwargs, call, frame):
                         _note_unseen(a)
                 elif isinstance(a, (tuple, list)):
                     _note_unseen_in(a)
+            if kwargs:  # torch.isfinite(input=loss)
+                _note_unseen_in(_tensors_in(kwargs))
         except RuntimeError:  # a view made under no_grad, modified in place: its
             return out  # grad_fn raises, and plain PyTorch would never have read it
         if _anomaly_enabled():
@@ -154,7 +180,7 @@ def _record(func, args, kwargs, call, frame):
         except RuntimeError:  # a view made under no_grad, modified in place
             pass
     else:
-        _note_safely(out, args, frame)
+        _note_safely(out, args, frame, kwargs)
     return out
 
 
@@ -187,11 +213,16 @@ def _call_site(frame):
     (``F.softmax``) reaches the mode through ``handle_torch_function``: its caller is
     two frames further out.
 
-    A function is kept only where the caller's globals are a module's namespace, which
-    lives as long as the program: the globals of ``exec``'d code (a namespace that
-    holds its own tensors, a doctest's) would otherwise stay alive with the function,
-    and their tensors with them. Such a site keeps its code object, and each call
-    makes its function with the globals the frame has (~0.1 µs).
+    A function is kept only where the caller's globals are a module's namespace, and
+    with a small namespace that stands for the module (``_warn.warning_namespace``: its
+    name, loader and spec, and the module's own registry), not the module's: a script
+    that ``runpy`` or a notebook's ``%run`` ran is in ``sys.modules`` only while it runs,
+    and its namespace, and its tensors, would otherwise stay alive with the function.
+    The globals of ``exec``'d code (a doctest's) are no module's: such a site keeps its
+    code object, and each call makes its function with the globals the frame has
+    (~0.1 µs). A site is one code object and instruction: one code object run in the
+    namespaces of two modules (a template ``exec``'d into each) files its warnings in
+    the module that ran it first.
     """
     key = (id(frame.f_code), frame.f_lasti)
     made = _site_made.get(key)
@@ -204,10 +235,11 @@ def _call_site(frame):
         line = max(1, frame.f_lineno or code.co_firstlineno)
         made = _CALL_CODE.replace(co_filename=code.co_filename, co_firstlineno=line)
         _site_code[id(code)] = code
-    call = types.FunctionType(made, frame.f_globals, _CALL_CODE.co_name)
     if is_module_namespace(frame.f_globals):
-        _call_sites[key] = call
+        small = warning_namespace(frame.f_globals)
+        call = _call_sites[key] = types.FunctionType(made, small, _CALL_CODE.co_name)
     else:
+        call = types.FunctionType(made, frame.f_globals, _CALL_CODE.co_name)
         _site_made[key] = made
     return call
 
@@ -236,17 +268,17 @@ def _is_view(t: torch.Tensor) -> bool:
         return t._is_view()
 
 
-def _note_safely(out, args, frame=None) -> None:
+def _note_safely(out, args, frame=None, kwargs=_NO_KWARGS) -> None:
     """Note a call's tensors without changing what the program sees: a tensor
     subclass's own ``__torch_function__`` is not called for graphprune's reads, and
     anomaly mode's tracebacks do not show graphprune's frame. ``frame``: the torch
     call's caller, where the recorder has it."""
     try:
         if type(out) is _Tensor:
-            _note_call(out, args, frame)
+            _note_call(out, args, frame, kwargs)
         else:
             with _NoSubclassDispatch():
-                _note_call(out, args, frame)
+                _note_call(out, args, frame, kwargs)
     except RuntimeError:  # a view made under no_grad, modified in place: its
         return  # grad_fn raises, and plain PyTorch would never have read it
     if _anomaly_enabled():
@@ -280,7 +312,7 @@ def _as_plain(stack: list[str]) -> list[str]:
     return kept
 
 
-def _note_call(out, args, frame) -> None:
+def _note_call(out, args, frame, kwargs) -> None:
     if isinstance(out, _Tensor):
         if not out.is_leaf:
             _note_one(out, frame)
@@ -294,6 +326,19 @@ def _note_call(out, args, frame) -> None:
                 _note_unseen(a)
         elif isinstance(a, (tuple, list)):
             _note_unseen_in(a)
+    if kwargs:
+        _note_unseen_in(_tensors_in(kwargs))
+
+
+def _tensors_in(kwargs) -> list:
+    """The tensors a call takes by keyword, alone or in a list or tuple."""
+    out = []
+    for value in kwargs.values():
+        if isinstance(value, _Tensor):
+            out.append(value)
+        elif isinstance(value, (tuple, list)):
+            out += value
+    return out
 
 
 def _note_unseen_in(tensors) -> None:
@@ -316,7 +361,7 @@ def _note_unseen(t: torch.Tensor) -> None:
     _outputs.note((t,), ours=bool(tapes) and fn._sequence_nr() >= tapes[0].first_seq)
 
 
-def _call_setitem(call, func, args, kwargs):
+def _call_setitem(call, func, args, kwargs, frame):
     """``target[key] = value``, through ``call`` (the caller's call site): stamp the
     index it wrote on the ``CopySlices`` it made (NOTE [ Gradient routing ] in
     ``_routing.py``)."""
@@ -328,7 +373,8 @@ def _call_setitem(call, func, args, kwargs):
             stamp_setitem(target, args[1], before)
         except RuntimeError:  # a view made under no_grad, modified in place
             pass
-    _note_safely(out, args)
+    _adopt(target if target._base is None else target._base, frame)
+    _note_safely(out, args, frame, kwargs)
     if _anomaly_enabled():  # the CopySlices it made is the target's node now
         _drop_own_frames(target)
     return out
@@ -381,7 +427,36 @@ def _before_a_hook(call) -> None:
         call(run, (), _NO_KWARGS)
 
 
-def _call_inplace_on_view(call, func, args, kwargs):
+def _call_inplace(call, func, args, kwargs, frame):
+    """An in-place op on a tensor that is no view, through ``call`` (the caller's call
+    site)."""
+    out = call(func, args, kwargs)
+    _adopt(args[0], frame)
+    _note_safely(out, args, frame, kwargs)
+    return out
+
+
+def _adopt(t: torch.Tensor, frame) -> None:
+    """A tracked in-place op modified ``t``: a tensor made before the tape, noted as
+    protecting nothing (``_outputs.note``), has a graph built under the tape now and
+    protects it (``reg += x.sum()`` on a regulariser made before ``track()``). Most
+    programs note no such tensor: then an in-place op asks nothing."""
+    if not _outputs.made_before[0] or not getweakrefcount(t):
+        return
+    ref = _outputs.output_of(t)
+    if ref is None or ref.ours:
+        return
+    tapes = _open_tapes()
+    try:
+        with _NoSubclassDispatch():
+            fn = t.grad_fn
+    except RuntimeError:  # a view made under no_grad, modified in place
+        return
+    if fn is not None and tapes and fn._sequence_nr() >= tapes[0].first_seq:
+        _outputs.adopt(ref, frame)
+
+
+def _call_inplace_on_view(call, func, args, kwargs, frame):
     """An in-place op on a view, through ``call`` (the caller's call site): autograd
     hides the node that saves tensors inside a ``CopySlices``; collect what it packs
     and file it for that node (NOTE [ Lazy records ] in ``_graph.py``)."""
@@ -403,7 +478,9 @@ def _call_inplace_on_view(call, func, args, kwargs):
                 node = out._base.grad_fn
             if node is not None and node.name().endswith("CopySlices"):
                 attach_hidden(node, packed)
-    _note_safely(out, args)
+    with _NoSubclassDispatch():
+        _adopt(args[0]._base, frame)
+    _note_safely(out, args, frame, kwargs)
     if _anomaly_enabled() and isinstance(out, _Tensor):  # and the CopySlices it made, the base's node
         with _NoSubclassDispatch():
             base = out._base

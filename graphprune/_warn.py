@@ -14,7 +14,7 @@ import warnings
 
 from .errors import GraphPruneWarning
 
-__all__ = ["warn_at_caller", "is_module_namespace"]
+__all__ = ["warn_at_caller", "is_module_namespace", "warning_namespace", "stands_for"]
 
 _OWN_DIR = os.path.dirname(__file__) + os.sep  # not a file of yours beside it: graphprune_demo.py
 
@@ -88,3 +88,31 @@ def is_module_namespace(namespace: dict) -> bool:
     name = namespace.get("__name__")
     module = sys.modules.get(name) if type(name) is str else None
     return module is not None and getattr(module, "__dict__", None) is namespace
+
+
+_WARNING_KEYS = ("__name__", "__file__", "__loader__", "__spec__", "__builtins__")
+
+
+def warning_namespace(namespace: dict) -> dict:
+    """What a function compiled to stand at a line of a module (NOTE [ Warnings at the
+    caller's line ] in ``_tape.py``) needs of the module's ``namespace`` for a warning
+    raised under it to be filed as one raised there: the module's name (filters), its
+    loader and spec (the source line) and its warning registry, which the module and
+    the function then share (made here where the module has none yet). The rest, a
+    script's tensors among it, is not held: a namespace that ``runpy`` or a notebook's
+    ``%run`` made dies as it would.
+
+    Example::
+
+        >>> ns = warning_namespace(vars(os))
+        >>> ns["__name__"], ns["__warningregistry__"] is vars(os)["__warningregistry__"], "path" in ns
+        ('os', True, False)
+    """
+    small = {key: namespace[key] for key in _WARNING_KEYS if key in namespace}
+    small["__warningregistry__"] = namespace.setdefault("__warningregistry__", {})
+    return small
+
+
+def stands_for(small: dict, namespace: dict) -> bool:
+    """Whether ``small`` is what :func:`warning_namespace` made of ``namespace``."""
+    return small.get("__warningregistry__") is namespace.get("__warningregistry__", False)

@@ -277,3 +277,48 @@ def test_a_pending_loss_is_named_as_not_backpropagated_through_graphprune():
     reasons = [k.reason for k in gp.backward(l1).kept]
     assert len(reasons) == 1 and reasons[0].startswith("l2 (tensor of shape ()")
     assert reasons[0].endswith(", not backpropagated through graphprune yet")
+
+
+def test_a_custom_functions_output_is_described_where_a_tracked_call_first_used_it():
+    # apply is no torch call: the recorder notes the output at its first use, and the
+    # report said it was "created at" that line
+    class Cube(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, a):
+            ctx.save_for_backward(a)
+            return (a ** 3).sum()
+
+        @staticmethod
+        def backward(ctx, g):
+            (a,) = ctx.saved_tensors
+            return 3 * a * a * g
+
+    w = torch.ones(4, requires_grad=True)
+    with gp.track():
+        x = w.exp()
+        l1 = x.sin().sum()
+        l2 = Cube.apply(x)
+        assert torch.isfinite(l2); used = _line()  # noqa: E702
+    l1.backward(retain_graph=True)
+    (reason,) = gp.prune_after(l1).kept
+    assert reason.reason.endswith(
+        f"l2 (tensor of shape (), torch.float32, first used at test_reports.py:{used}), "
+        "not backpropagated through graphprune yet"), reason.reason
+
+
+def test_one_function_in_two_files_is_described_at_each_ones_file(tmp_path, monkeypatch):
+    # two code objects of one text compare equal: the cache of "file.py:line" took the
+    # second file's tensor as made in the first
+    for name in ("report_head_a", "report_head_b"):
+        (tmp_path / f"{name}.py").write_text("def loss(x):\n    return (x * x).sum()\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    import report_head_a as head_a
+    import report_head_b as head_b
+
+    w = torch.ones(4, requires_grad=True)
+    with gp.track():
+        x = w.exp()
+        la, lb = head_a.loss(x), head_b.loss(x)
+    assert head_a.loss.__code__ == head_b.loss.__code__
+    assert gp.explain(la, keep=lb).kept[0].reason.endswith("created at report_head_b.py:2")
+    assert gp.explain(lb, keep=la).kept[0].reason.endswith("created at report_head_a.py:2")

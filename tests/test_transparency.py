@@ -14,6 +14,8 @@ import contextlib
 import functools
 import gc
 import os
+import runpy
+import sys
 import threading
 import types
 import warnings
@@ -1151,6 +1153,68 @@ def test_exec_namespace_and_its_tensors_die_with_it():
     del ns, y
     gc.collect()
     assert dead() is None
+
+
+def test_a_script_run_by_runpy_and_its_tensors_die_with_it(tmp_path):
+    # runpy's module is in sys.modules while the script runs: its call sites' functions
+    # were kept with the script's namespace, and the namespace's tensors with it
+    script = tmp_path / "train_script.py"
+    script.write_text(
+        "import torch, graphprune as gp\n"
+        "big = torch.ones(1 << 16)\n"
+        "x = torch.randn(1 << 16, requires_grad=True)\n"
+        "with gp.track():\n"
+        "    y = (x * big).sum()\n"
+        "y.backward()\n"
+        "refs.append(weakref.ref(big))\n"
+    )
+    refs: list = []
+    for _ in range(2):
+        runpy.run_path(str(script), init_globals={"refs": refs, "weakref": weakref}, run_name="__main__")
+    gc.collect()
+    assert [r() for r in refs] == [None, None]
+
+
+def test_a_call_site_of_a_module_shares_the_module_s_warning_registry():
+    # the call site's function stands for the module with a small namespace of its own:
+    # a warning raised under it goes to the module's registry, once per location
+    module = types.ModuleType("registry_probe")
+    sys.modules["registry_probe"] = module
+    try:
+        exec(compile("import torch\ndef copy(t):\n    return torch.tensor(t)\n", "registry_probe.py", "exec"),
+             module.__dict__)
+        with warnings.catch_warnings(record=True) as got, gp.track():
+            warnings.simplefilter("default")
+            for _ in range(3):
+                module.copy(torch.ones(2))
+        assert len(got) == 1 and module.__warningregistry__
+    finally:
+        del sys.modules["registry_probe"]
+
+
+def test_an_overridable_function_made_per_call_and_what_it_closes_over_die_with_it():
+    # the recorder's table of which functions modify their input in place held every
+    # function a __torch_function__ call named: a closure made per call, with what it
+    # closed over (the torch.overrides pattern, handle_torch_function(f, ...))
+    def make():
+        table = torch.ones(1 << 16)
+
+        def scale(x):
+            if torch.overrides.has_torch_function_unary(x):
+                return torch.overrides.handle_torch_function(scale, (x,), x)
+            return x * table[: x.numel()]
+
+        return scale, weakref.ref(table)
+
+    refs = []
+    with gp.track():
+        for _ in range(2):
+            scale, ref = make()
+            scale(torch.ones(4, requires_grad=True) * 2)  # a tensor: the mode sees scale
+            refs.append(ref)
+            del scale
+    gc.collect()
+    assert [r() for r in refs] == [None, None]
 
 
 def test_warnings_of_code_run_with_two_namespaces_go_to_each_ones_module():
