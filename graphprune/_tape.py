@@ -36,6 +36,7 @@ _compiler = torch.compiler if hasattr(torch.compiler, "_is_compiling_flag") else
     _is_compiling_flag=False)
 _anomaly_enabled = torch.is_anomaly_enabled
 _note_one = _outputs.note_one
+_made_before = _outputs.made_before
 _getframe = sys._getframe
 _local = threading.local()  # .tapes: this thread's open tapes, innermost last
 _Tensor = torch.Tensor
@@ -78,11 +79,11 @@ def _lives_on(func) -> bool:
             func.__globals__)
     if kind in _UNBOUND_KINDS:
         return True
-    return kind in _BOUND_KINDS and isinstance(func.__self__, _LASTING_OWNERS)
+    return kind in _BOUND_KINDS and (func.__self__ is None or isinstance(func.__self__, _LASTING_OWNERS))
 
 
 _UNBOUND_KINDS = (types.MethodDescriptorType, types.WrapperDescriptorType, types.ClassMethodDescriptorType)
-_BOUND_KINDS = (types.BuiltinFunctionType, types.MethodWrapperType)  # torch.add; a property's __get__
+_BOUND_KINDS = (types.BuiltinFunctionType, types.MethodWrapperType)  # torch.mul; a property's __get__
 _LASTING_OWNERS = (types.ModuleType, type, types.GetSetDescriptorType, types.MemberDescriptorType, property)
 
 
@@ -154,7 +155,8 @@ def _record(func, args, kwargs, call, frame):
         elif args and isinstance(args[0], _Tensor):
             if _is_view(args[0]):
                 return _call_inplace_on_view(call, func, args, kwargs, frame)
-            return _call_inplace(call, func, args, kwargs, frame)
+            if _made_before[0]:  # else no record to adopt: the common path below
+                return _call_inplace(call, func, args, kwargs, frame)
     out = call(func, args, kwargs)
     if type(out) is _Tensor:  # the common case, inlined
         try:
@@ -441,7 +443,7 @@ def _adopt(t: torch.Tensor, frame) -> None:
     protecting nothing (``_outputs.note``), has a graph built under the tape now and
     protects it (``reg += x.sum()`` on a regulariser made before ``track()``). Most
     programs note no such tensor: then an in-place op asks nothing."""
-    if not _outputs.made_before[0] or not getweakrefcount(t):
+    if not _made_before[0] or not getweakrefcount(t):
         return
     ref = _outputs.output_of(t)
     if ref is None or ref.ours:

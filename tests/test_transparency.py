@@ -1217,6 +1217,21 @@ def test_an_overridable_function_made_per_call_and_what_it_closes_over_die_with_
     assert [r() for r in refs] == [None, None]
 
 
+def test_the_recorder_asks_once_whether_a_torch_function_modifies_its_input():
+    # the table above keeps only functions that live as long as the program; torch's
+    # own (a builtin without a self, a method, a property's getter, F.*) must stay in
+    # it, or every call asks again (a fix for the closures left torch.mul out)
+    from graphprune import _tape
+
+    t = torch.ones(3, requires_grad=True)
+    with gp.track():
+        r = torch.nn.functional.relu(torch.mul(t, 2.0))
+        r.add_(1)
+        assert r.shape == (3,)
+    for func in (torch.mul, torch.nn.functional.relu, torch.Tensor.add_, torch.Tensor.shape.__get__):
+        assert func in _tape._inplace_funcs, func
+
+
 def test_warnings_of_code_run_with_two_namespaces_go_to_each_ones_module():
     # one code object, two globals (a function copied into another namespace): the
     # call site kept the first namespace, and the second's warnings were filed in
