@@ -20,8 +20,10 @@ So every ``TAIL`` records the recorder drops the dead ones among them, before a 
 collection (every 700 objects made) is likely to have seen them, and among those that
 survived the earlier tails while they are at most ``TAIL`` (the output alive at each
 compaction, which dies a call later): a compaction looks at no more than ``2 * TAIL``
-records for ``TAIL`` new ones; survivors past that are left to the compactions of the
-whole list.
+records for ``TAIL`` new ones. Past that, the survivors are looked at again once they
+have doubled since they last were (amortized O(1) per record): under one tape around
+many steps that call no prune, an unrolled RNN's outputs held for a step and then
+dropped would otherwise stay, dead, until the whole list reached its limit.
 """
 
 from __future__ import annotations
@@ -90,16 +92,18 @@ def _where(code, lasti: int) -> str:
     compare equal (one function in two files) are two sites."""
     key = (id(code), lasti)
     made = _where_made.get(key)
-    if made is None:  # the code, held in the entry, keeps its id its own
+    if made is None or made[0]() is not code:  # none, or of a code object that died
         if len(_where_made) > 4096:
             _where_made.clear()
         line = next((ln for start, end, ln in code.co_lines() if start <= lasti < end), None)
         text = f"{os.path.basename(code.co_filename)}:{line or code.co_firstlineno}"
-        made = _where_made[key] = (code, text)
+        made = _where_made[key] = (weakref.ref(code), text)
     return made[1]
 
 
-_where_made: dict[tuple[int, int], tuple] = {}  # (id of code, instruction) -> (code, "file.py:line")
+# (id of code, instruction) -> (a weak reference to the code, "file.py:line"): code made
+# per step (eval) is not held
+_where_made: dict[tuple[int, int], tuple] = {}
 
 _outputs: list[Output] = []
 _weakrefcount = weakref.getweakrefcount
@@ -113,8 +117,9 @@ _library_files: dict[str, bool] = {}  # a code object's file -> inside a library
 # ``Module._call_impl``, 1.6 for ``F.multi_head_attention_forward`` on a slow
 # machine), and the recorder looks up one or more frames' code per torch call. So
 # the tables that run per call are keyed by ``id(code)``, and hold the code objects
-# they have seen, so that an id is never reused for another code object while its
-# entry lives. Whether a frame is a library's is a property of its file alone: that
+# they have seen weakly, dropping a code's entries as it dies (code made per step by
+# ``eval`` is not kept), so that an id is never another code object's while its entry
+# lives. Whether a frame is a library's is a property of its file alone: that
 # table is keyed by ``co_filename``, a string whose hash is cached (one attribute
 # read and no call per frame of the walk ``note_one`` makes up the module stack).
 
@@ -226,9 +231,10 @@ def _drop_dead(whole: bool) -> None:
         return
     try:
         n = len(_outputs)
+        survivors = _tail[0] - _kept[0]  # of the earlier tails
         if whole:
             start = 0
-        elif _tail[0] - _kept[0] <= TAIL:  # the earlier tails' survivors are few: them too
+        elif survivors <= TAIL or survivors > 2 * _survivors[0]:  # few, or doubled: them too
             start = _kept[0]
         else:
             start = _tail[0]
@@ -237,6 +243,8 @@ def _drop_dead(whole: bool) -> None:
         if whole:
             _kept[0] = _tail[0]
             _limit[0] = max(1 << 16, 2 * _kept[0])
+        if start <= _kept[0]:
+            _survivors[0] = _tail[0] - _kept[0]
         _next[0] = min(_limit[0], _tail[0] + TAIL)
     finally:
         _compacting.release()
@@ -245,6 +253,7 @@ def _drop_dead(whole: bool) -> None:
 _kept = [0]  # the list's length after the last compaction of all of it
 _tail = [0]  # its length after the last compaction of any kind: where the tail starts
 _next = [TAIL]  # the length past which an append compacts (the tail, or all past the limit)
+_survivors = [0]  # the earlier tails' survivors after they were last looked at
 
 
 def settle() -> None:

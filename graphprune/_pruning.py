@@ -57,13 +57,18 @@ _SIGNATURES = {f: inspect.signature(f) for f in (torch.Tensor.backward, torch.au
 
 class Pruning(TorchFunctionMode):
     """The mode :func:`pruning` returns: ``reports`` has one :class:`~graphprune.PruneReport`
-    per routed call, ``passed`` one ``(call, why)`` per call left to PyTorch."""
+    per routed call, ``passed`` one ``(call, why)`` per call left to PyTorch, the last
+    ``history`` of each; ``routed`` and ``plain`` count them all."""
 
-    def __init__(self, keep=None) -> None:
+    def __init__(self, keep=None, history: int | None = 1000) -> None:
         super().__init__()
+        if history is not None and (type(history) is not int or history < 1):
+            raise ValueError(f"graphprune.pruning: history must be a positive int or None, got {history!r}")
         self.keep = keep
+        self.history = history
         self.reports: list[PruneReport] = []
         self.passed: list[tuple[str, str]] = []
+        self.routed = self.plain = 0
         self._thread: int | None = None
 
     def __enter__(self) -> Pruning:
@@ -90,11 +95,20 @@ class Pruning(TorchFunctionMode):
         site = _call_site()
         why = _why_plain(func, a, site) or _why_torch_s(func)
         if why is not None:
-            self.passed.append((call, why))
+            self.plain += 1
+            self._keep_last(self.passed, (call, why))
             return func(*args, **kwargs)
         report, result = self._routed(site, call, a, lambda: _at(site, _route, (self.keep, func, a, call)))
-        self.reports.append(report)
+        self.routed += 1
+        self._keep_last(self.reports, report)
         return result
+
+    def _keep_last(self, entries: list, entry) -> None:
+        """Append ``entry``, keeping the last ``history``: a block around a whole training
+        run (a library's ``fit()``) would otherwise hold a report per routed call of it."""
+        entries.append(entry)
+        if self.history is not None and len(entries) > self.history:
+            del entries[0]
 
     def _routed(self, site, call: str, arguments: dict, run) -> tuple:
         """``run()``, the routed call made at ``site`` (a frame, or ``None``) as graphprune's:
@@ -102,10 +116,10 @@ class Pruning(TorchFunctionMode):
         return run()
 
     def __repr__(self) -> str:
-        return f"<graphprune.pruning: {len(self.reports)} routed, {len(self.passed)} plain call(s)>"
+        return f"<graphprune.pruning: {self.routed} routed, {self.plain} plain call(s)>"
 
 
-def pruning(*, keep=None) -> Pruning:
+def pruning(*, keep=None, history: int | None = 1000) -> Pruning:
     """Run the ``backward``/``grad`` calls of unmodified code (a library's training loop)
     inside the block through graphprune.
 
@@ -133,16 +147,19 @@ def pruning(*, keep=None) -> Pruning:
     Args:
         keep: what every routed call keeps besides (see :func:`~graphprune.prune_after`);
             ``None`` for the losses not backpropagated yet.
+        history: how many of the latest reports and plain calls the block holds (a block
+            around a whole training run holds no report per step of it); ``None``: all.
 
     Returns:
         A ``TorchFunctionMode`` to use in ``with``: ``.reports`` has one
         :class:`~graphprune.PruneReport` per routed call, ``.passed`` one ``(call,
-        why)`` per call left to PyTorch.
+        why)`` per call left to PyTorch (the last ``history`` of each); ``.routed`` and
+        ``.plain`` count every one.
 
     Raises:
         RuntimeError: the block is entered twice, or closed in another thread.
         TypeError, ValueError: ``keep`` is no tensor or node, or needs no grad (raised
-            when the block is entered).
+            when the block is entered); ``history`` is not a positive int or ``None``.
 
     Example::
 
@@ -163,7 +180,7 @@ def pruning(*, keep=None) -> Pruning:
         >>> w.grad
         tensor([12.2998, 12.2998, 12.2998])
     """
-    return Pruning(keep)
+    return Pruning(keep, history)
 
 
 def _route(keep, func, a: dict, call: str):

@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import contextlib
+import functools
 import itertools
 import sys
 import threading
 import types
+import weakref
 from weakref import getweakrefcount
 
 import networkx as nx
@@ -229,14 +231,14 @@ def _call_site(frame):
     key = (id(frame.f_code), frame.f_lasti)
     made = _site_made.get(key)
     if made is None:
-        if len(_site_code) > 65536:  # generated code (torch.fx, exec) makes ever new sites
+        if len(_call_sites) + len(_site_made) > 65536:  # generated code (torch.fx) makes ever new sites
             _call_sites.clear()
             _site_made.clear()
             _site_code.clear()
         code = frame.f_code
         line = max(1, frame.f_lineno or code.co_firstlineno)
         made = _CALL_CODE.replace(co_filename=code.co_filename, co_firstlineno=line)
-        _site_code[id(code)] = code
+        _sites_of(code).append(key)
     if is_module_namespace(frame.f_globals):
         small = warning_namespace(frame.f_globals)
         call = _call_sites[key] = types.FunctionType(made, small, _CALL_CODE.co_name)
@@ -262,7 +264,26 @@ _CALL_CODE = _call_code()
 _HANDLE_TORCH_FUNCTION = torch.overrides.handle_torch_function.__code__
 _call_sites: dict = {}  # (id of code, instruction) of a caller in a module -> its _graphprune_call
 _site_made: dict = {}  # the same, of a caller whose globals are no module's -> the call's code
-_site_code: dict = {}  # id -> the code objects of _call_sites (NOTE [ Code objects as keys ] in _outputs.py)
+_site_code: dict = {}  # id of a code object of those keys -> (a weak reference to it, its keys)
+
+
+def _sites_of(code) -> list:
+    """The keys filed for ``code``'s call sites, to append to. The code is held weakly:
+    a code object that dies (made per step by ``eval``, ``exec`` or ``compile``) takes
+    its sites with it, before its ``id`` can be another's (NOTE [ Code objects as keys ]
+    in ``_outputs.py``)."""
+    entry = _site_code.get(id(code))
+    if entry is None:
+        entry = _site_code[id(code)] = (weakref.ref(code, functools.partial(_forget_code, id(code))), [])
+    return entry[1]
+
+
+def _forget_code(code_id: int, _ref) -> None:
+    """A code object with call sites died: drop them."""
+    entry = _site_code.pop(code_id, None)
+    for key in entry[1] if entry is not None else ():
+        _call_sites.pop(key, None)
+        _site_made.pop(key, None)
 
 
 def _is_view(t: torch.Tensor) -> bool:

@@ -448,3 +448,30 @@ def test_readme_multi_task_section_matches_fresh_runs():
             continue
         quoted = {float(x) for x in re.findall(r"\d+\.\d+", line.rsplit("|", 2)[1])}  # MiB, not pass numbers
         assert quoted and quoted <= _numbers(_example(name)[0]), (name, quoted)
+
+
+def test_a_pruning_block_around_a_whole_run_holds_only_its_latest_reports():
+    # one block around a library's fit(): it held a report (with its node-id sets) per
+    # routed call of the run
+    w = torch.ones(3, requires_grad=True)
+    with gp.pruning(history=4) as p:
+        for _ in range(10):
+            with gp.track():
+                x = w.exp()
+                l1, l2 = (x * x).sum(), x.sin().sum()
+            l1.backward(retain_graph=True)  # routed: gp.backward
+            l2.backward()  # plain: PyTorch frees the graph
+    assert (len(p.reports), len(p.passed), p.routed, p.plain) == (4, 4, 10, 10)
+    assert repr(p) == "<graphprune.pruning: 10 routed, 10 plain call(s)>"
+    with gp.pruning(history=None) as everything:
+        for _ in range(3):
+            with gp.track():
+                y = w.exp().sum()
+            y.backward(retain_graph=True)
+    assert len(everything.reports) == everything.routed == 3
+
+
+@pytest.mark.parametrize("history", [0, -1, 2.5, "10"])
+def test_pruning_refuses_a_history_that_is_no_positive_int(history):
+    with pytest.raises(ValueError, match="history must be a positive int or None"):
+        gp.pruning(history=history)

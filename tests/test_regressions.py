@@ -754,3 +754,21 @@ def test_a_loss_made_before_the_tape_and_modified_in_place_under_it_protects_its
     l2.sum().backward()
     xd = w.detach().exp()
     assert_close(w.grad, -xd.sin() * xd)
+
+
+def test_records_of_outputs_held_for_a_step_under_one_long_tape_do_not_pile_up():
+    # NOTE [ Records that die young ]: more than TAIL outputs alive at each compaction of
+    # the tail (an unrolled RNN's outputs, held for a step, then dropped) were looked at
+    # again only when the whole list reached its limit, 65536 records
+    from graphprune import _outputs
+
+    w = torch.ones(4, requires_grad=True)
+    with gp.track():
+        for _ in range(60):
+            held, h = [], w
+            for _ in range(600):
+                h = h * 1.0001
+                held.append(h)
+            h.sum().backward()  # a plain pass: no prune compacts the records
+            del held, h
+        assert len(_outputs._outputs) < 4 * 600

@@ -1155,6 +1155,32 @@ def test_exec_namespace_and_its_tensors_die_with_it():
     assert dead() is None
 
 
+def test_code_made_per_step_takes_its_call_sites_with_it():
+    # a loss weighting eval'd each step (or a forward exec'd): the recorder's tables held
+    # every step's code objects and a function or code per call site, up to 65536 codes
+    from graphprune import _outputs, _tape
+
+    w = torch.ones(3, requires_grad=True)
+
+    def tables():
+        return len(_tape._call_sites) + len(_tape._site_made) + len(_tape._site_code)
+
+    def step():
+        code = compile("0.5 * (w * w).sum() + 2.0 * w.sin().sum()", "<config>", "eval")
+        with gp.track():
+            loss = eval(code, {"w": w})
+        assert _outputs.describe(loss).endswith("created at <config>:1")
+        loss.backward()
+
+    step()
+    gc.collect()
+    before = tables()
+    for _ in range(20):
+        step()
+    gc.collect()
+    assert tables() == before
+
+
 def test_a_script_run_by_runpy_and_its_tensors_die_with_it(tmp_path):
     # runpy's module is in sys.modules while the script runs: its call sites' functions
     # were kept with the script's namespace, and the namespace's tensors with it
