@@ -157,8 +157,7 @@ class Session:
         originals = {name: getattr(gp, name) for name in (*_CALLS, *_EACH, "pruning", "track")}
         for name in (*_CALLS, *_EACH):
             setattr(gp, name, _reporting(name, originals[name]))
-        gp.pruning = functools.wraps(originals["pruning"])(
-            lambda *, keep=None, history=1000: _ShownPruning(keep, history))
+        gp.pruning = functools.wraps(originals["pruning"])(lambda **options: _ShownPruning(**options))
         heads_track = _each.track  # the tape a per-loss helper opens for a head a callable builds
         if self.timeline is not None or self.modules:
             gp.track = self._track(originals["track"])

@@ -62,8 +62,10 @@ class Pruning(TorchFunctionMode):
 
     def __init__(self, keep=None, history: int | None = 1000) -> None:
         super().__init__()
-        if history is not None and (type(history) is not int or history < 1):
-            raise ValueError(f"graphprune.pruning: history must be a positive int or None, got {history!r}")
+        if history is not None and type(history) is not int:
+            raise TypeError(f"graphprune.pruning: history is an int or None, not {type(history).__name__}")
+        if history is not None and history < 1:
+            raise ValueError(f"graphprune.pruning: history must be positive or None, got {history}")
         self.keep = keep
         self.history = history
         self.reports: list[PruneReport] = []
@@ -159,7 +161,8 @@ def pruning(*, keep=None, history: int | None = 1000) -> Pruning:
     Raises:
         RuntimeError: the block is entered twice, or closed in another thread.
         TypeError, ValueError: ``keep`` is no tensor or node, or needs no grad (raised
-            when the block is entered); ``history`` is not a positive int or ``None``.
+            when the block is entered); ``history`` is no int (``TypeError``) or is not
+            positive (``ValueError``).
 
     Example::
 

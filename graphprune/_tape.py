@@ -49,8 +49,9 @@ _Parameter = torch.nn.Parameter  # dispatches no __torch_function__ of its own: 
 _REGISTERS_A_HOOK = "registers a hook"  # truthy: _inplace_funcs' rare branch
 _ADDS_A_HOOK = "adds a hook"  # a tensor hook of another kind: nothing to mark
 # func -> whether it modifies its first argument in place, or _REGISTERS_A_HOOK, _ADDS_A_HOOK
-_inplace_funcs: dict = {torch.Tensor.register_hook: _REGISTERS_A_HOOK, torch.Tensor.retain_grad: _ADDS_A_HOOK,
-                        torch.Tensor.register_post_accumulate_grad_hook: _ADDS_A_HOOK}
+_HOOK_FUNCS = {torch.Tensor.register_hook: _REGISTERS_A_HOOK, torch.Tensor.retain_grad: _ADDS_A_HOOK,
+               torch.Tensor.register_post_accumulate_grad_hook: _ADDS_A_HOOK}
+_inplace_funcs: dict = dict(_HOOK_FUNCS)
 _INPLACE_DUNDERS = frozenset(
     f"__i{op}__" for op in ("add", "sub", "mul", "truediv", "floordiv", "mod", "pow",
                             "and", "or", "xor", "lshift", "rshift", "matmul")
@@ -65,27 +66,28 @@ def _open_tapes() -> list:
 
 
 def _is_inplace(func) -> bool:
-    name = getattr(func, "__name__", "")
+    name = getattr(func, "__name__", "").split(".")[0]  # an aten overload's: add_.Tensor
     return name in _INPLACE_DUNDERS or (name.endswith("_") and not name.startswith("_"))
 
 
 def _lives_on(func) -> bool:
     """Whether ``func`` lives as long as the program whether graphprune holds it or
     not: a C function or a descriptor of a module or a class, or a function of a
-    library's module (torch's ``F.*``) that closes over nothing. A user's overridable
-    function (``handle_torch_function(f, ...)``) may be made per call, closing over
-    what it uses, or live in a namespace that dies (``runpy``)."""
+    library's module (torch's ``F.*``, and the closures its decorators made once), an
+    aten operator. A user's overridable function (``handle_torch_function(f, ...)``) may
+    be made per call, closing over what it uses, or live in a namespace that dies
+    (``runpy``): it is asked at each call (~0.5 µs)."""
     kind = type(func)
-    if kind is types.FunctionType:
-        return func.__closure__ is None and _outputs.in_library(func.__code__) and is_module_namespace(
-            func.__globals__)
-    if kind in _UNBOUND_KINDS:
+    if kind is types.FunctionType:  # a library's closures are its decorators' (Tensor.__rsub__, F.max_pool2d)
+        return _outputs.in_library(func.__code__) and is_module_namespace(func.__globals__)
+    if kind in _UNBOUND_KINDS or kind in _OPS:
         return True
     return kind in _BOUND_KINDS and (func.__self__ is None or isinstance(func.__self__, _LASTING_OWNERS))
 
 
 _UNBOUND_KINDS = (types.MethodDescriptorType, types.WrapperDescriptorType, types.ClassMethodDescriptorType)
 _BOUND_KINDS = (types.BuiltinFunctionType, types.MethodWrapperType)  # torch.mul; a property's __get__
+_OPS = (torch._ops.OpOverload, torch._ops.OpOverloadPacket)  # torch.ops.aten.add_.Tensor, kept by torch
 _LASTING_OWNERS = (types.ModuleType, type, types.GetSetDescriptorType, types.MemberDescriptorType, property)
 
 
@@ -148,6 +150,9 @@ def _record(func, args, kwargs, call, frame):
     if inplace is None:
         inplace = _is_inplace(func)
         if _lives_on(func):  # not a closure or a bound method made per call: their captures would stay
+            if len(_inplace_funcs) > 65536:  # a library that makes ever new ones
+                _inplace_funcs.clear()
+                _inplace_funcs.update(_HOOK_FUNCS)
             _inplace_funcs[func] = inplace
     if inplace:  # rare: an in-place method, or a tensor hook's registration
         if inplace is _REGISTERS_A_HOOK:
@@ -176,7 +181,8 @@ def _record(func, args, kwargs, call, frame):
             return out  # grad_fn raises, and plain PyTorch would never have read it
         if _anomaly_enabled():
             _drop_own_frames(out)
-    elif len(args) == 1 and ((kind := type(a := args[0])) is _Tensor or kind is _Parameter) and (
+    elif len(args) == 1 and not kwargs and (
+            (kind := type(a := args[0])) is _Tensor or kind is _Parameter) and (
             type(out) is _Size or not isinstance(out, _TENSOR_OR_SEQUENCE)):  # a plain
         try:  # tensor's property, size or dim: no tensor made, no subclass to keep out
             if not getweakrefcount(a) and a.requires_grad and not a.is_leaf:
@@ -396,7 +402,9 @@ def _call_setitem(call, func, args, kwargs, frame):
             stamp_setitem(target, args[1], before)
         except RuntimeError:  # a view made under no_grad, modified in place
             pass
-    _adopt(target if target._base is None else target._base, frame)
+    _adopt(target, frame)  # and the tensor it is a view of
+    if target._base is not None:
+        _adopt(target._base, frame)
     _note_safely(out, args, frame, kwargs)
     if _anomaly_enabled():  # the CopySlices it made is the target's node now
         _drop_own_frames(target)
@@ -502,6 +510,7 @@ def _call_inplace_on_view(call, func, args, kwargs, frame):
             if node is not None and node.name().endswith("CopySlices"):
                 attach_hidden(node, packed)
     with _NoSubclassDispatch():
+        _adopt(args[0], frame)  # a view made before the tape, and its base
         _adopt(args[0]._base, frame)
     _note_safely(out, args, frame, kwargs)
     if _anomaly_enabled() and isinstance(out, _Tensor):  # and the CopySlices it made, the base's node

@@ -471,7 +471,8 @@ def test_a_pruning_block_around_a_whole_run_holds_only_its_latest_reports():
     assert len(everything.reports) == everything.routed == 3
 
 
-@pytest.mark.parametrize("history", [0, -1, 2.5, "10"])
-def test_pruning_refuses_a_history_that_is_no_positive_int(history):
-    with pytest.raises(ValueError, match="history must be a positive int or None"):
+@pytest.mark.parametrize("history, error", [(0, ValueError), (-1, ValueError), (2.5, TypeError),
+                                            ("10", TypeError)])
+def test_pruning_refuses_a_history_that_is_no_positive_int(history, error):
+    with pytest.raises(error, match="history"):
         gp.pruning(history=history)

@@ -714,7 +714,8 @@ def test_a_create_graph_pass_keeps_its_loss_for_the_pass_with_the_penalty(way):
     assert_close(_regularised_step(way), _regularised_step("plain"))
 
 
-def test_a_custom_functions_loss_used_only_by_keyword_protects_its_graph():
+@pytest.mark.parametrize("use", ["isfinite(input=l2)", "allclose(zero, other=l2)"])
+def test_a_custom_functions_loss_used_only_by_keyword_protects_its_graph(use):
     # the recorder looked for tensors it never saw made among a call's positional
     # arguments only: a loss a custom Function made, used only as input=, protected nothing
     w = torch.linspace(0.1, 0.5, 4, requires_grad=True)
@@ -722,7 +723,10 @@ def test_a_custom_functions_loss_used_only_by_keyword_protects_its_graph():
         x = w.exp()
         l1 = x.sin().sum()
         l2 = SumOfSquares.apply(x.cos())
-        assert torch.isfinite(input=l2)  # its only use under the tape: by keyword
+        if use == "isfinite(input=l2)":  # its only use under the tape: by keyword
+            assert torch.isfinite(input=l2)
+        else:  # one positional tensor, a bool out: the recorder's shortest path
+            assert not torch.allclose(torch.zeros(()), other=l2)
     l1.backward(retain_graph=True)
     gp.prune_after(l1)  # keep=None: the pending loss l2 keeps x's graph and its own
     w.grad = None
@@ -731,23 +735,35 @@ def test_a_custom_functions_loss_used_only_by_keyword_protects_its_graph():
     assert_close(w.grad, -2 * xd.cos() * xd.sin() * xd)
 
 
-@pytest.mark.parametrize("how", ["in place", "item assignment", "in place on a view"])
+@pytest.mark.parametrize("how", ["in place", "item assignment", "in place on a view", "an aten overload",
+                                 "a view in place", "a view item-assigned"])
 def test_a_loss_made_before_the_tape_and_modified_in_place_under_it_protects_its_graph(how):
     # a tensor made before the tape and used by a tracked call is noted as protecting
     # nothing (its graph is none of the tape's); modified in place under the tape, its
     # graph is the tape's, and the record stayed as it was: l2's pass met a released node
     w = torch.linspace(0.1, 0.5, 4, requires_grad=True)
-    l2 = (w * 0.0).sum() if how == "in place" else w[:2] * 0.0  # made before the tape
+    if how in ("in place", "an aten overload"):  # made before the tape
+        l2 = (w * 0.0).sum()
+    elif how.startswith("a view"):  # itself a view of a tensor made before the tape
+        l2 = (w * 0.0).sum(0, keepdim=True)[0]
+    else:
+        l2 = w[:2] * 0.0
     with gp.track():
         assert torch.isfinite(l2).all()  # a tracked call uses it: noted, as made before
         x = w.exp()
         l1 = x.sin().sum()
         if how == "in place":
             l2 += x.cos().sum()
+        elif how == "an aten overload":  # named add_.Tensor
+            torch.ops.aten.add_.Tensor(l2, x.cos().sum())
         elif how == "item assignment":
             l2[0] = x.cos().sum()
-        else:
+        elif how == "in place on a view":
             l2[0:1].add_(x.cos().sum())
+        elif how == "a view in place":
+            l2.add_(x.cos().sum())
+        else:
+            l2[()] = x.cos().sum()
     l1.backward(retain_graph=True)
     gp.prune_after(l1)  # keep=None: l2, a loss (or losses) not backpropagated yet, keeps x's graph
     w.grad = None

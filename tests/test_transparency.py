@@ -1254,7 +1254,11 @@ def test_the_recorder_asks_once_whether_a_torch_function_modifies_its_input():
         r = torch.nn.functional.relu(torch.mul(t, 2.0))
         r.add_(1)
         assert r.shape == (3,)
-    for func in (torch.mul, torch.nn.functional.relu, torch.Tensor.add_, torch.Tensor.shape.__get__):
+        torch.nn.functional.max_pool1d((1.0 - r).reshape(1, 1, 3) ** 2, 1)  # closures torch's decorators made
+        torch.ops.aten.add.Tensor(r, r)
+    for func in (torch.mul, torch.nn.functional.relu, torch.Tensor.add_, torch.Tensor.shape.__get__,
+                 torch.Tensor.__rsub__, torch.Tensor.__pow__, torch.nn.functional.max_pool1d,
+                 torch.ops.aten.add.Tensor):
         assert func in _tape._inplace_funcs, func
 
 
