@@ -149,7 +149,7 @@ def _record(func, args, kwargs, call, frame):
     inplace = _inplace_funcs.get(func)
     if inplace is None:
         inplace = _is_inplace(func)
-        if _lives_on(func):  # not a closure or a bound method made per call: their captures would stay
+        if _lives_on(func):  # not a user's function or bound method made per call: its captures would stay
             if len(_inplace_funcs) > 65536:  # a library that makes ever new ones
                 _inplace_funcs.clear()
                 _inplace_funcs.update(_HOOK_FUNCS)
