@@ -402,9 +402,7 @@ def _call_setitem(call, func, args, kwargs, frame):
             stamp_setitem(target, args[1], before)
         except RuntimeError:  # a view made under no_grad, modified in place
             pass
-    _adopt(target, frame)  # and the tensor it is a view of
-    if target._base is not None:
-        _adopt(target._base, frame)
+    _adopt(target, frame)
     _note_safely(out, args, frame, kwargs)
     if _anomaly_enabled():  # the CopySlices it made is the target's node now
         _drop_own_frames(target)
@@ -468,11 +466,22 @@ def _call_inplace(call, func, args, kwargs, frame):
 
 
 def _adopt(t: torch.Tensor, frame) -> None:
-    """A tracked in-place op modified ``t``: a tensor made before the tape, noted as
-    protecting nothing (``_outputs.note``), has a graph built under the tape now and
-    protects it (``reg += x.sum()`` on a regulariser made before ``track()``). Most
-    programs note no such tensor: then an in-place op asks nothing."""
-    if not _made_before[0] or not getweakrefcount(t):
+    """A tracked in-place op modified ``t`` (and, where ``t`` is a view, the tensor it
+    is a view of): a tensor made before the tape, noted as protecting nothing
+    (``_outputs.note``), has a graph built under the tape now and protects it
+    (``reg += x.sum()`` on a regulariser made before ``track()``). Most programs note
+    no such tensor: then an in-place op asks nothing."""
+    if not _made_before[0]:
+        return
+    with _NoSubclassDispatch():
+        base = t._base
+    _adopt_one(t, frame)
+    if base is not None:
+        _adopt_one(base, frame)
+
+
+def _adopt_one(t: torch.Tensor, frame) -> None:
+    if not getweakrefcount(t):
         return
     ref = _outputs.output_of(t)
     if ref is None or ref.ours:
@@ -509,9 +518,7 @@ def _call_inplace_on_view(call, func, args, kwargs, frame):
                 node = out._base.grad_fn
             if node is not None and node.name().endswith("CopySlices"):
                 attach_hidden(node, packed)
-    with _NoSubclassDispatch():
-        _adopt(args[0], frame)  # a view made before the tape, and its base
-        _adopt(args[0]._base, frame)
+    _adopt(args[0], frame)
     _note_safely(out, args, frame, kwargs)
     if _anomaly_enabled() and isinstance(out, _Tensor):  # and the CopySlices it made, the base's node
         with _NoSubclassDispatch():
