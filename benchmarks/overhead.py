@@ -317,6 +317,33 @@ def _touched(m, rounds: int) -> dict:
     return {k: statistics.median(v) for k, v in out.items()}
 
 
+def _fixed(m, rounds: int) -> dict:
+    """Median seconds of ``prune_after`` on a 3-node graph of the same forward (``a =
+    w.exp(); b = (a * a).sum()``, keep=a) right after the ``l1`` backward, and of a second
+    such prune right after the first: what a prune pays whatever its graph's size, with
+    the code it runs out of the CPU's caches after a backward pass (``cold``) and in them
+    (``warm``). NOTE [ What a prune pays first ] in ``graphprune/_plan.py``."""
+    out = {"cold": [], "warm": []}
+    w = torch.ones(8, requires_grad=True, device=m.inp.device)
+    for _ in range(rounds):
+        for p in m.params:
+            p.grad = None
+        with gp.track():
+            x, l1, l2 = m.forward()
+            small = [(a, (a * a).sum()) for a in (w.exp(), w.exp())]
+        for _, b in small:
+            b.backward(retain_graph=True)
+        l1.backward(retain_graph=True)
+        for key, (a, b) in zip(("cold", "warm"), small):
+            t0 = m.clock()
+            gp.prune_after(b, keep=a)
+            out[key].append(m.clock() - t0)
+        gp.prune_after(l1, keep=x)
+        l2.backward()
+        del x, l1, l2, small
+    return {k: statistics.median(v) for k, v in out.items()}
+
+
 def run_transformer(size, device: str = "cpu") -> dict:
     if device == "cuda" and not torch.cuda.is_available():
         raise RuntimeError("overhead/transformer_cuda: no CUDA device is available here")
@@ -339,8 +366,13 @@ def run_transformer(size, device: str = "cpu") -> dict:
         return [r[key] for r in runs[name]]
 
     med = {f"{n}_{k}": statistics.median(col(n, k)) for n in runs for k in runs[n][0]}
+    for n in runs:  # the l2 backward and the drop of the step's tensors: the step's rest
+        med[f"{n}_rest"] = statistics.median(r["step"] - r["fwd"] - r["bwd1"] - r.get("prune", 0.0)
+                                             for r in runs[n])
     touched = _touched(m, max(4, size["steps"] // 10))
     med.update(touched_prune=touched["prune"], touched_walk=touched["walk"])
+    fixed = _fixed(m, max(4, size["steps"] // 10))
+    med.update(fixed_cold=fixed["cold"], fixed_warm=fixed["warm"])
     return dict(census=counts, steps=len(runs["gp"]), median_s=med,
                 fwd_ratio=_paired(col("gp", "fwd"), col("plain", "fwd"), lambda a, b: a / b),
                 step_ratio=_paired(col("gp", "step"), col("plain", "step"), lambda a, b: a / b),
@@ -494,6 +526,20 @@ def _transformer_rows(r, cuda: bool = False) -> list[dict]:
             f"prune {m['gp_prune'] * 1e3:.2f} ms / read before {m['touched_prune'] * 1e3:.2f} ms",
             f"{m['touched_prune'] / m['gp_prune']:.2f}x / {m['touched_walk'] / m['floor_prune']:.2f}x",
             "—", None, wl, "floor"))
+    if "fixed_cold" in m:  # what a prune pays whatever its size, right after a backward and again
+        rows.append(_row(
+            f"the prune's fixed cost{on} (no target): `prune_after` of a 3-node graph right after the "
+            "`l1` backward, and a second one right after it; the first / the prune above",
+            "—", f"first {m['fixed_cold'] * 1e3:.2f} ms / second {m['fixed_warm'] * 1e3:.2f} ms",
+            f"{m['fixed_cold'] / m['gp_prune']:.0%}", "—", None, wl, "prune_after"))
+    if "gp_rest" in m:  # the step's parts, each a median of its own
+        def parts(n):
+            return " / ".join(f"{m[f'{n}_{k}'] * 1e3:.2f}" if f"{n}_{k}" in m else "—"
+                              for k in ("fwd", "bwd1", "prune", "rest"))
+        rows.append(_row(
+            f"where the step's time goes{on} (no target): forward / `l1` backward / prune (the floor: "
+            "its walk) / `l2` backward and the drop of the step's tensors, ms, each a median of its own",
+            parts("plain"), parts("gp"), f"floor {parts('floor')}", "—", None, wl, "floor"))
     return rows
 
 

@@ -28,13 +28,24 @@ HOOKED = "graphprune.hooked"  # a tensor hook was registered on an output of it 
 # every reason written there is in ``_marked`` (weakly) while it lives: while the set
 # is empty no live node carries the mark, and such a walk reads no metadata. Handles
 # and plans that hold a reason only keep it longer.
-_marked: weakref.WeakSet = weakref.WeakSet()
+#
+# These sets hold weak references, each taken with the set's own ``discard`` as its
+# callback, rather than being ``weakref.WeakSet``s: a ``WeakSet`` adds, counts and
+# iterates in Python, and a prune asks several of them right after a backward pass,
+# when every code path it runs is out of the CPU's caches (NOTE [ What a prune pays
+# first ] in ``_plan.py``).
+_marked: set = set()
+
+
+def weakly_add(refs: set, obj) -> None:
+    """Add a weak reference to ``obj`` to the set ``refs``; it leaves with ``obj``."""
+    refs.add(weakref.ref(obj, refs.discard))
 
 
 def marking_released(reason) -> None:
     """``reason`` (an object that takes a weak reference) is about to be written on
     nodes as their ``RELEASED`` mark (NOTE [ No node released ])."""
-    _marked.add(reason)
+    weakly_add(_marked, reason)
 
 
 def none_released() -> bool:
@@ -50,7 +61,7 @@ class _Hooked:
     __slots__ = ("__weakref__",)
 
 
-_hooked: weakref.WeakSet = weakref.WeakSet()
+_hooked: set = set()  # weak references to the live marks (NOTE [ No node released ])
 
 
 def mark_hooked(node) -> None:
@@ -60,7 +71,7 @@ def mark_hooked(node) -> None:
     md = node.metadata
     if HOOKED not in md:
         md[HOOKED] = mark = _Hooked()
-        _hooked.add(mark)
+        weakly_add(_hooked, mark)
 
 
 def is_hooked(node) -> bool:

@@ -43,7 +43,7 @@ from ._marks import FINISHED
 
 __all__ = [
     "Output", "FirstUse", "note", "note_one", "adopt", "in_library", "live", "live_graphs", "live_roots",
-    "hooked_nodes", "output_of", "describe", "name_in_frames", "settle",
+    "hooked_nodes", "output_of", "describe", "facts", "described", "name_in_frames", "settle",
 ]
 
 _TORCH_DIR = os.path.dirname(torch.__file__)
@@ -294,12 +294,24 @@ def output_of(t: torch.Tensor) -> Output | None:
 
 def describe(t: torch.Tensor) -> str:
     """``tensor of shape (4,), torch.float32, created at model.py:12``."""
+    return described(facts(t))
+
+
+def facts(t: torch.Tensor) -> tuple:
+    """What :func:`describe` says of ``t``, read now, to be written out later
+    (:func:`described`) if a message needs it: its shape, dtype and record (which
+    outlives ``t`` while held)."""
     try:
-        shape = tuple(t.shape)
+        shape = t.shape
     except RuntimeError:  # nested tensors have no single shape
-        shape = "nested"
-    text = f"tensor of shape {shape}, {t.dtype}"
-    ref = output_of(t)
+        shape = None
+    return shape, t.dtype, output_of(t)
+
+
+def described(facts: tuple) -> str:
+    """:func:`describe`'s text from :func:`facts`."""
+    shape, dtype, ref = facts
+    text = f"tensor of shape {'nested' if shape is None else tuple(shape)}, {dtype}"
     if ref is not None and ref.ours:
         text += f", {ref.verb} {ref.where()}"
     return text

@@ -190,6 +190,20 @@ def input_guards(inputs) -> list[tuple[Node, int, str]]:
     return guards
 
 
+# NOTE [ What a prune pays first ]
+# A prune runs right after a backward pass, whose kernels streamed the graph's tensors
+# through the CPU's caches: the code the prune runs (graphprune's, and the CPython and
+# torch paths it calls) is out of them, and every distinct path pays for that once,
+# whatever the graph's size. On the benchmark's small transformer (CPU, one thread) a
+# prune of a 3-node graph takes ~0.45 ms right after the backward and ~0.13 ms right
+# after that one: a third of that transformer's 1.3 ms prune (``benchmarks/overhead.py``,
+# the fixed-cost row). So a prune runs no path that its report or its release does not
+# need: the text of what it was given, for its messages, is written when one is shown
+# (``Release.text``, from ``_outputs.facts``), and the sets of reasons, marks and walks
+# it asks are plain sets of weak references (``_marks.weakly_add``), not ``WeakSet``s,
+# which add, count and iterate in Python.
+
+
 class Plan:
     """The partition of the graph behind ``outputs`` into kept and released nodes.
 
@@ -236,10 +250,11 @@ class Plan:
         earlier: list = []  # finished by an earlier call: the trunk's x, for the hint
         self.finished, pending = _split_live(ys, self.reach, y_supports, earlier)
         self._candidates = _candidates(self.finished, pending, ys, earlier)
-        what = self._what = ", ".join(
-            [_outputs.describe(t) for t in ys] + [f"the gradient into {name(e.node)}" for e in edges])
+        # NOTE [ What a prune pays first ]: the outputs' text, for messages, written when one needs it
+        self._what = functools.partial(_outputs_text, [_outputs.facts(t) for t in ys],
+                                       [name(e.node) for e in edges])
         # the tensors the call's outputs are entries of (per_task[0]): its pass ran through all of them
-        self.reason = Release(f"{call}({what})", self._candidates,
+        self.reason = Release(functools.partial(_call_text, call, self._what), self._candidates,
                               entries_of=frozenset(id(t._base) for t in ys if t._base is not None))
         self._losses = losses = [p for p in pending if _may_start_a_pass(*p)] if keep is None else []
         if keep is None:
@@ -261,7 +276,7 @@ class Plan:
         self._guard_text = [protect[i][1] for i in order]
         if roots and self._trunk_walk is None and not _meet(self.reach, self.protected):
             warn_at_caller(
-                f"{call}: keep= reaches no node of the graph of {what}, its parameters aside, so it "
+                f"{call}: keep= reaches no node of the graph of {self._what()}, its parameters aside, so it "
                 "protects nothing this call releases (a tensor of another forward's graph, an earlier "
                 "batch's, or one whose graph an earlier prune released). Name the tensor a later "
                 "backward pass starts from, or the intermediate it is built on (the trunk's output x).",
@@ -283,7 +298,7 @@ class Plan:
             part, trunk = _classify(self.reach, self.protected), None
         else:
             part = _classify(self._head, self.protected)
-            trunk = walked.measured(_classify_kept)
+            trunk = walked.measured(_classify_kept, _FOREIGN_REASON)
         by_node, kept_nodes, kept_by = part.by_node, part.kept_nodes, part.kept_by
         # the protected roots' reasons nearest first, then the kinds graphprune does not hold
         order = sorted({**kept_nodes, **(trunk.counts if trunk else {})}, key=_reason_rank)
@@ -362,7 +377,7 @@ class Plan:
         if self.handles_by_node or TRACKED in self._kinds or UNTRACKED not in self._kinds:
             return None
         return (
-            f"{call}: nothing can be released: the graph of {self._what} was built outside "
+            f"{call}: nothing can be released: the graph of {self._what()} was built outside "
             "graphprune.track(), so PyTorch holds its saved tensors. Run the forward "
             "inside `with graphprune.track():`.",
             f"{call}: built outside track()",
@@ -824,20 +839,38 @@ def _candidates(finished: list, pending: list, ys=(), earlier=()) -> list:
     return list(out.values())
 
 
+def _outputs_text(facts: list, edge_names: list) -> str:
+    """What a call was given, as its messages name it (``_outputs.facts`` of its
+    tensors, the names of its gradient edges' nodes)."""
+    return ", ".join([_outputs.described(f) for f in facts] + [f"the gradient into {n}" for n in edge_names])
+
+
+def _call_text(call: str, what) -> str:
+    return f"{call}({what()})"
+
+
 class Release:
-    """Why handles were released: the call, as text, and the live tensors a later
-    pass may have started from, to name in the error that pass meets."""
+    """Why handles were released: the call, as text (or a callable that writes it,
+    called once, when a message first needs it), and the live tensors a later pass
+    may have started from, to name in the error that pass meets."""
 
     # weakly referenced: NOTE [ No node released ]
-    __slots__ = ("text", "_candidates", "note", "routed", "entries_of", "__weakref__")
+    __slots__ = ("_text", "_candidates", "note", "routed", "entries_of", "__weakref__")
 
-    def __init__(self, text: str, candidates: list, note: str | None = None,
+    def __init__(self, text, candidates: list, note: str | None = None,
                  routed: str | None = None, entries_of: frozenset = frozenset()) -> None:
-        self.text = text
+        self._text = text
         self._candidates = [(weakref.ref(t), part, rank) for t, part, rank in candidates]
         self.note = note  # what to do, where keep= cannot help (a lazy head's callable built it)
         self.routed = routed  # the torch call pruning() made this one of, whose code you may not edit
         self.entries_of = entries_of  # ids of the live tensors the call's outputs are views of
+
+    @property
+    def text(self) -> str:
+        text = self._text
+        if not isinstance(text, str):
+            text = self._text = text()
+        return text
 
     def __str__(self) -> str:
         if self.routed is None:

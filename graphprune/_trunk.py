@@ -36,7 +36,8 @@ import itertools
 import weakref
 
 from ._graph import LOCK, TRACKED, reach
-from ._marks import RELEASED
+from ._marks import RELEASED, weakly_add
+from ._report import storage_bytes
 from ._routing import widen
 
 __all__ = ["walk_trunk_once", "released"]
@@ -61,19 +62,20 @@ class _Walked:
         self.stale = False  # a node of it was released since it ran (``released``)
         self.kept: _Kept | None = None
         with LOCK:
-            _walks.add(self)
+            weakly_add(_walks, self)
 
-    def measured(self, classify) -> _Kept:
+    def measured(self, classify, foreign) -> _Kept:
         """What the nodes below the root keep, by reason: measured again only where a
         handle it counted has gone since (released, or freed by a pass that did not
         retain the graph). ``classify`` is ``_plan._classify_kept``: the walk labels
-        every node below the root with the root's number, 0."""
+        every node below the root with the root's number, 0; ``foreign`` is the reason
+        it gives the nodes whose tensors other saved-tensor hooks hold."""
         kept = self.kept
         if kept is None or not kept.valid():
             part = classify(self.below, 0)
             # a node whose tensors other hooks or PyTorch hold has no handle to tell
             # that a plain pass freed them: such a trunk is measured at every prune
-            kept = _Kept(part, held=part.kinds <= {TRACKED})
+            kept = _Kept(part, held=part.kinds <= {TRACKED}, foreign=foreign)
             if kept.held:
                 self.kept = kept
         return kept
@@ -94,10 +96,7 @@ class _Kept:
 
     __slots__ = ("counts", "ids", "storages", "held", "_leaves", "_refs", "_gone", "kinds", "foreign")
 
-    def __init__(self, part, held: bool) -> None:
-        from ._plan import _FOREIGN_REASON
-        from ._report import storage_bytes
-
+    def __init__(self, part, held: bool, foreign) -> None:
         self.counts = {key: len(nodes) for key, nodes in part.kept_nodes.items()}
         self.ids = {key: frozenset(map(id, nodes)) for key, nodes in part.kept_nodes.items()}
         self.storages, self._leaves, self._refs, self.held = {}, {}, [], held
@@ -116,7 +115,7 @@ class _Kept:
             else:  # read once, by this prune
                 self._leaves[key] = leaves
         self.kinds = set(part.kinds)
-        self.foreign = part.kept_nodes.get(_FOREIGN_REASON, [])
+        self.foreign = part.kept_nodes.get(foreign, [])
 
     def valid(self) -> bool:
         """Whether every handle it counted is still there: none died (a pass that did
@@ -131,14 +130,15 @@ class _Kept:
         return {key: [ref() for ref in refs] for key, refs in self._leaves.items() if refs}
 
 
-_walks: weakref.WeakSet = weakref.WeakSet()  # the walks left on nodes, while those nodes live
+_walks: set = set()  # weak references to the walks left on nodes (``_marks.weakly_add``)
 
 
 def released(nodes) -> None:
     """``nodes`` were just marked released: the walks left that hold one are stale."""
     with LOCK:
-        for walk in list(_walks):
-            if not walk.stale and not walk.below.keys().isdisjoint(nodes):
+        for ref in list(_walks):
+            walk = ref()
+            if walk is not None and not walk.stale and not walk.below.keys().isdisjoint(nodes):
                 walk.stale = True
 
 

@@ -78,6 +78,9 @@ def test_every_strategy_has_a_row_in_every_table(suite):
     assert any("pack hook that detaches, one forward" in f for f in floors), "no chain floor row"
     assert any("that walk / the `l1` backward" in f for f in floors), "no transformer floor row"
     assert any("where the prune's time goes" in line for line in overhead.splitlines()), "no first-touch row"
+    assert any("the prune's fixed cost" in line for line in overhead.splitlines()), "no fixed-cost row"
+    steps = [line for line in overhead.splitlines() if "where the step's time goes" in line]
+    assert steps and len(steps[0].split(" / ")) >= 10, "no step-parts row"  # four parts each, three steps
     assert "per head, 4 heads built one by one" in overhead
 
 

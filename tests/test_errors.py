@@ -1,6 +1,9 @@
 """Clear errors: bad input, released tensors, in-place modification under hooks."""
 
 import dataclasses
+import gc
+import sys
+import weakref
 
 import pytest
 import torch
@@ -84,6 +87,26 @@ def test_released_error_names_node_call_and_fix(branch):
     assert "graphprune.prune_after(tensor of shape (), torch.float32, created at test_errors.py" in message
     assert "keep=" in message
     assert isinstance(info.value, RuntimeError)
+
+
+def test_the_released_error_names_the_pruned_output_after_it_died():
+    """A prune writes what it was given into its messages when one needs them (NOTE
+    [ What a prune pays first ]): from what it read of ``y`` then, not from ``y``."""
+    w = torch.ones(3, requires_grad=True)
+    with gp.track():
+        x = w.exp()
+        h = x * x
+        y = h.sum(); line = sys._getframe().f_lineno  # noqa: E702
+        z = h.mean()
+    y.backward(retain_graph=True)
+    gp.prune_after(y, keep=x)
+    y = weakref.ref(y)
+    gc.collect()
+    assert y() is None
+    with pytest.raises(gp.ReleasedTensorError) as info:
+        z.backward()
+    expected = f"graphprune.prune_after(tensor of shape (), torch.float32, created at test_errors.py:{line})"
+    assert expected in str(info.value)
 
 
 def test_prune_after_is_idempotent(branch):

@@ -414,6 +414,40 @@ def test_no_node_is_released_once_the_released_graphs_are_gone():
     assert _marks.none_released() == (not before)
 
 
+def test_the_walk_left_on_a_trunk_leaves_the_walks_set_with_its_graph():
+    """The walks left on nodes are held weakly (``_marks.weakly_add``): a dead graph's
+    walk is not looked at by later releases, and nothing of it stays."""
+    gc.collect()
+    before = {ref() for ref in _trunk._walks}
+    x, y1 = _sin_head_backpropagated()
+    gp.prune_after(y1, keep=x)
+    (left,) = {ref() for ref in _trunk._walks} - before
+    assert x.grad_fn.metadata[_trunk._TRUNK] is left
+    left = weakref.ref(left)
+    del x, y1
+    gc.collect()
+    assert left() is None
+    assert {ref() for ref in _trunk._walks} <= before
+
+
+def test_an_entry_of_a_set_of_weak_references_leaves_with_its_object():
+    from graphprune import _marks
+
+    class Mark:
+        pass
+
+    refs: set = set()
+    a, b = Mark(), Mark()
+    for obj in (a, a, b):
+        _marks.weakly_add(refs, obj)
+    del obj
+    assert len(refs) == 2
+    del a
+    assert [ref() for ref in refs] == [b]
+    del b
+    assert not refs
+
+
 def test_a_walk_that_stops_at_released_nodes_stops_while_one_lives():
     x, y1 = _sin_head_backpropagated()
     gp.prune_after(y1, keep=x)
