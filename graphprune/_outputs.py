@@ -308,9 +308,9 @@ def facts(t: torch.Tensor) -> tuple:
     return shape, t.dtype, output_of(t)
 
 
-def described(facts: tuple) -> str:
-    """:func:`describe`'s text from :func:`facts`."""
-    shape, dtype, ref = facts
+def described(read: tuple) -> str:
+    """:func:`describe`'s text from what :func:`facts` read."""
+    shape, dtype, ref = read
     text = f"tensor of shape {'nested' if shape is None else tuple(shape)}, {dtype}"
     if ref is not None and ref.ours:
         text += f", {ref.verb} {ref.where()}"

@@ -44,7 +44,7 @@ from torch.overrides import TorchFunctionMode
 from . import _prune
 from ._plan import _keep_roots
 from ._report import PruneReport
-from ._warn import is_module_namespace, stands_for, warning_namespace
+from ._warn import function_at, stands_for
 
 __all__ = ["pruning", "Pruning"]
 
@@ -274,11 +274,9 @@ def _at(site, fn, args):
             _sites.clear()
         line = max(2, key[1] or site.f_code.co_firstlineno)
         code = _CODE.replace(co_filename=site.f_code.co_filename, co_firstlineno=line - 1)
-        if is_module_namespace(site.f_globals):  # no exec'd globals kept (_tape._call_site)
-            small = warning_namespace(site.f_globals)
-            trampoline = _sites[key] = types.FunctionType(code, small, _TRAMPOLINE)
-        else:
-            trampoline = types.FunctionType(code, site.f_globals, _TRAMPOLINE)
+        trampoline, kept = function_at(code, site.f_globals, _TRAMPOLINE)
+        if kept:
+            _sites[key] = trampoline
     return trampoline(fn, args)
 
 

@@ -21,7 +21,7 @@ from ._marks import mark_hooked
 from ._routing import stamp_setitem
 from ._saved import SavedHandle, _modes_on, _NoTorchFunction, pack_hook
 from ._timeline import Timeline
-from ._warn import is_module_namespace, warning_namespace
+from ._warn import function_at, is_module_namespace
 
 __all__ = ["Tape", "track"]
 
@@ -245,11 +245,10 @@ def _call_site(frame):
         line = max(1, frame.f_lineno or code.co_firstlineno)
         made = _CALL_CODE.replace(co_filename=code.co_filename, co_firstlineno=line)
         _sites_of(code).append(key)
-    if is_module_namespace(frame.f_globals):
-        small = warning_namespace(frame.f_globals)
-        call = _call_sites[key] = types.FunctionType(made, small, _CALL_CODE.co_name)
+    call, kept = function_at(made, frame.f_globals, _CALL_CODE.co_name)
+    if kept:
+        _call_sites[key] = call
     else:
-        call = types.FunctionType(made, frame.f_globals, _CALL_CODE.co_name)
         _site_made[key] = made
     return call
 

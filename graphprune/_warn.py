@@ -10,11 +10,12 @@ from __future__ import annotations
 
 import os
 import sys
+import types
 import warnings
 
 from .errors import GraphPruneWarning
 
-__all__ = ["warn_at_caller", "is_module_namespace", "warning_namespace", "stands_for"]
+__all__ = ["warn_at_caller", "is_module_namespace", "warning_namespace", "stands_for", "function_at"]
 
 _OWN_DIR = os.path.dirname(__file__) + os.sep  # not a file of yours beside it: graphprune_demo.py
 
@@ -116,3 +117,22 @@ def warning_namespace(namespace: dict) -> dict:
 def stands_for(small: dict, namespace: dict) -> bool:
     """Whether ``small`` is what :func:`warning_namespace` made of ``namespace``."""
     return small.get("__warningregistry__") is namespace.get("__warningregistry__", False)
+
+
+def function_at(code: types.CodeType, namespace: dict, name: str) -> tuple[types.FunctionType, bool]:
+    """A function of ``code`` (compiled to stand at a line of the frame whose globals
+    are ``namespace``: NOTE [ Warnings at the caller's line ] in ``_tape.py``), and
+    whether it may be kept for that line: in a module's namespace it gets
+    :func:`warning_namespace`'s small one, which holds nothing of the module's; in the
+    globals of ``exec``'d code (a doctest's) it gets those, and is made per call so
+    that they are not kept alive.
+
+    Example::
+
+        >>> code = compile("1", "<site>", "eval")
+        >>> [keep for _, keep in (function_at(code, vars(os), "f"), function_at(code, {}, "f"))]
+        [True, False]
+    """
+    if is_module_namespace(namespace):
+        return types.FunctionType(code, warning_namespace(namespace), name), True
+    return types.FunctionType(code, namespace, name), False
