@@ -103,7 +103,9 @@ def reach(roots, through_released: bool = True, supports: dict | None = None, st
     ``_routing.py``): ``supports`` maps a routing node to ``{output number: support}``;
     given, it says on which outputs (and where) the routing roots start (a routing
     root missing from it starts on every output), and it is filled with what the walk
-    found.
+    found: for the routing nodes, and for every other node a routing node feeds
+    (NOTE [ Supports at every node a router feeds ]); a node missing from it got
+    ``ALL`` on every output the walk reached.
 
     With ``through_released=False`` the walk stops at nodes that lost saved tensors:
     a pass that reaches one with a non-zero gradient raises, so nothing behind it
@@ -174,7 +176,8 @@ def reach(roots, through_released: bool = True, supports: dict | None = None, st
                                 sup[child] = dict.fromkeys(_edge_numbers(node, child), ALL)
                         elif skipped is not None:
                             skipped.append(child)
-                    elif child in sup and _widen_all(sup[child], _edge_numbers(node, child)):
+                    elif child in sup and _widen_all(sup[child], _edge_numbers(node, child)) and (
+                            rule_of(type(child)) is not None):
                         add(child)
             else:
                 if deep:
@@ -186,12 +189,12 @@ def reach(roots, through_released: bool = True, supports: dict | None = None, st
                         if through_released or RELEASED not in child.metadata:
                             out[child] = label
                             add(child)
-                            if _is_router(child):
-                                sup[child] = {nr: support}
-                        elif skipped is not None:
+                            sup[child] = {nr: support}  # a node that does not route too: NOTE [ Supports
+                        elif skipped is not None:  # at every node a router feeds ]
                             skipped.append(child)
-                    elif child in sup and _routing.widen(sup[child], nr, support):
-                        add(child)
+                    elif child in sup and _routing.widen(sup[child], nr, support) and (
+                            rule_of(type(child)) is not None):  # a node that does not route passes ALL on
+                        add(child)  # whatever its support: walked again for nothing
             if len(out) >= limit:
                 deep, limit = True, float("inf")
                 for walked, edges in zip(queue, read):  # those whose edges it read
@@ -205,6 +208,19 @@ def reach(roots, through_released: bool = True, supports: dict | None = None, st
                     children(walked)
                 read = None
     return out
+
+
+# NOTE [ Supports at every node a router feeds ]
+# A node that does not route passes ``ALL`` to its children whatever it gets, so the
+# walk needs the supports of routing nodes only. But what a pass ran through of a live
+# tensor is read from the support at its node (``_plan._split_live``), and a routing
+# node's child may be such a tensor's node without routing itself: ``L = buf[1:]``
+# item-assigned (the view's node is an ``AsStridedBackward0`` over the base's
+# ``CopySlices``), or ``L = torch.stack(losses) * w``; a pass from ``L[0]`` runs
+# through entry 0 of ``L`` only, and the rest of ``L`` is a later pass's start. Read
+# as ``ALL``, it would have been counted finished, and its graph released. So the walk
+# keeps the support every node a routing node feeds got, widened to ``ALL`` where
+# another edge reaches it; below such a node the walk goes on with ``ALL``.
 
 
 def _is_router(node) -> bool:

@@ -35,7 +35,7 @@ from __future__ import annotations
 import itertools
 import weakref
 
-from ._graph import LOCK, TRACKED, reach
+from ._graph import LOCK, TRACKED, _is_router, reach
 from ._marks import RELEASED, weakly_add
 from ._report import storage_bytes
 from ._routing import widen
@@ -178,7 +178,8 @@ def walk_trunk_once(tops: list, root: tuple, start_supports: dict, y_supports: d
     if fn not in walked:
         return None, protected, None, None
     for node, support in supports.items():
-        if node in protected and not _within(support, trunk_supports.get(node), exactly=node is fn):
+        if node in protected and _is_router(node) and not _within(support, trunk_supports.get(node),
+                                                                    exactly=node is fn):
             return None, protected, None, None
     head = [node for node in walked if node not in protected or node is fn]
     walked.update(protected)  # the labels of a reach are not read: its nodes, in order

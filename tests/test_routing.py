@@ -338,3 +338,66 @@ def test_a_numpy_bool_key_is_a_mask_not_an_index():
         assert _written(np.True_, (3, 2)) is None
         assert _written((np.False_, 0), (3, 2)) is None
     assert _written(np.int64(1), (3, 2)) == (0, frozenset({1}), 3)
+
+
+def _buffer_view(way: str, T: int):
+    """A 1-d view of a preallocated buffer, for losses[i] = loss_i."""
+    if way == "offset":
+        return torch.zeros(T + 1)[1:]
+    if way == "row":
+        return torch.zeros(2, T)[1]
+    if way == "strided":
+        return torch.zeros(2 * T)[::2]
+    raise AssertionError(way)
+
+
+@pytest.mark.parametrize("way", ["offset", "row", "strided"])
+def test_entries_assigned_into_a_view_of_a_buffer_protect_the_later_passes(way):
+    """NOTE [ Supports at every node a router feeds ]: the view's node does not route
+    (AsStridedBackward0 over the buffer's CopySlices), so a pass from one entry counted
+    the whole view as run through, and the first pass released every head."""
+    w, heads, inp = _model()
+
+    def per_task(use_gp):
+        with gp.track():
+            x = (inp @ w).tanh()
+            losses = _buffer_view(way, len(heads))
+            for i, h in enumerate(heads):
+                losses[i] = ((x @ h).sin() ** 2).mean()
+        grads, reports = [], []
+        for i in range(len(heads)):
+            w.grad = None
+            if use_gp:
+                reports.append(gp.backward(losses[i]))
+            else:
+                losses[i].backward(retain_graph=True)
+            grads.append(w.grad.clone())
+        return grads, reports
+
+    want, _ = per_task(False)
+    got, reports = per_task(True)
+    for a, b in zip(got, want):
+        assert_close(a, b)
+    assert reports[-1].released_nodes["SinBackward0"] == len(heads)  # the last pass frees every head
+
+
+def test_entries_of_a_reweighted_stack_held_live_protect_the_later_passes():
+    """``L = torch.stack(losses) * weights`` held live: a pass from ``L[0]`` runs
+    through entry 0 of ``L`` only (and its views ``L[1]``, ``L[2]`` are later passes'
+    starts), though the multiplication between routes nothing."""
+    w, heads, inp = _model()
+    weights = torch.tensor([1.0, 2.0, 3.0])
+
+    def per_task(use_gp):
+        with gp.track():
+            L = _losses(w, heads, inp, "stack") * weights
+            entries = [L[i] for i in range(len(heads))]
+        grads = []
+        for e in entries:
+            w.grad = None
+            gp.backward(e) if use_gp else e.backward(retain_graph=True)
+            grads.append(w.grad.clone())
+        return grads
+
+    for a, b in zip(per_task(True), per_task(False)):
+        assert_close(a, b)
