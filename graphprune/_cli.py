@@ -90,10 +90,13 @@ def main(argv: list[str] | None = None) -> int:
     parser = _parser()
     opts = parser.parse_args(argv)
     if opts.command is None:
-        parser.print_help()
-        return 0
+        parser.print_help(sys.stderr)
+        return 2  # as argparse's own usage errors
     if not os.path.isfile(opts.script):
-        parser.error(f"no such script: {opts.script}")
+        parser.error(f"{'a directory, not a script' if os.path.isdir(opts.script) else 'no such script'}: "
+                     f"{opts.script}")
+    if opts.svg is not None and os.path.exists(opts.svg) and not os.path.isdir(opts.svg):
+        parser.error(f"--svg takes a directory to write the pictures into: {opts.svg} is a file")
     whole = opts.track == "all" or (opts.track == "auto" and not _calls_track(opts.script))
     session = Session(opts.svg, opts.format, opts.modules)
     print(f"graphprune explain: running {opts.script} "

@@ -49,7 +49,7 @@ from . import _outputs, _routing
 from ._graph import FOREIGN, _is_router, is_accumulator, reach, saved
 from ._marks import is_hooked
 from ._plan import Plan, input_guards, listed, no_graph_reason
-from ._prune import _relabel, _remember
+from ._prune import _relabel, _remember, inputs_of_a_pass
 from ._report import PruneReport, nothing_released
 from ._tape import before_hooks, track
 from ._warn import warn_at_caller
@@ -273,6 +273,7 @@ def grads_each(losses, inputs, *, keep=None, allow_unused: bool | None = None,
     if not items:  # the list comprehension over no losses
         return []
 
+    inputs = inputs_of_a_pass(inputs, call)
     keys = list(inputs) if isinstance(inputs, dict) else None  # torch takes a dict too: rows are dicts
     wanted = ([inputs] if isinstance(inputs, (torch.Tensor, GradientEdge)) else
               list(inputs.values()) if keys is not None else list(inputs))
@@ -289,9 +290,10 @@ def grads_each(losses, inputs, *, keep=None, allow_unused: bool | None = None,
                 for t in wanted}  # a leaf's edge is the leaf
     for i, t in enumerate(extra):
         if not (isinstance(t, torch.Tensor) and t.is_leaf and t.requires_grad):
+            got = (type(t).__name__ if not isinstance(t, torch.Tensor) else f"a non-leaf {type(t).__name__}"
+                   if not t.is_leaf else f"a {type(t).__name__} that does not require grad")
             raise TypeError(f"{call}: accumulate[{i}] must be a leaf tensor that requires grad "
-                            "(a parameter), got " + (f"a non-leaf {type(t).__name__}" if isinstance(
-                                t, torch.Tensor) else type(t).__name__))
+                            f"(a parameter), got {got}")
         if id(t) in returned:
             raise ValueError(f"{call}: accumulate[{i}] is in inputs too: its gradient is either returned "
                              "in the rows or accumulated into .grad; pass it in one of them")

@@ -220,7 +220,10 @@ def reach(roots, through_released: bool = True, supports: dict | None = None, st
 # through entry 0 of ``L`` only, and the rest of ``L`` is a later pass's start. Read
 # as ``ALL``, it would have been counted finished, and its graph released. So the walk
 # keeps the support every node a routing node feeds got, widened to ``ALL`` where
-# another edge reaches it; below such a node the walk goes on with ``ALL``.
+# another edge reaches it; below such a node the walk goes on with ``ALL``. Only a
+# 1-d tensor is read so (a vector of losses): a pass from ``logits[:, :-1]`` (a causal
+# LM's shift) runs through the held logits, whose last position no later pass starts
+# from.
 
 
 def _is_router(node) -> bool:

@@ -251,12 +251,19 @@ class Plan:
         self.finished, pending = _split_live(ys, self.reach, y_supports, earlier)
         self._candidates = _candidates(self.finished, pending, ys, earlier)
         # NOTE [ What a prune pays first ]: the outputs' text, for messages, written when one needs it
-        self._what = functools.partial(_outputs_text, [_outputs.facts(t) for t in ys],
-                                       [name(e.node) for e in edges])
+        facts = [_outputs.facts(t) for t in ys]
+        self._what = functools.partial(_outputs_text, facts, [name(e.node) for e in edges])
+        # NOTE [ Outputs made after the block ]: an output no tape recorded, and the live tensors its pass
+        # did not reach
+        unseen = keep is None and not all(_made_under_a_tape(t, f[2]) for t, f in zip(ys, facts))
         # the tensors the call's outputs are entries of (per_task[0]): its pass ran through all of them
         self.reason = Release(functools.partial(_call_text, call, self._what), self._candidates,
-                              entries_of=frozenset(id(t._base) for t in ys if t._base is not None))
+                              entries_of=frozenset(id(t._base) for t in ys if t._base is not None),
+                              passless=call == "graphprune.prune_after", unseen=unseen)
         self._losses = losses = [p for p in pending if _may_start_a_pass(*p)] if keep is None else []
+        self._unreached = [] if not unseen else [
+            (fn, t) for fn, nr, part, t in pending
+            if part is ALL and fn not in self.reach and not _may_start_a_pass(fn, nr, part, t)]
         if keep is None:
             protect = [(fn, functools.partial(_pending_text, t, part)) for fn, _, part, t in losses]
             starts = [(fn, nr, part) for fn, nr, part, _ in losses]
@@ -371,6 +378,33 @@ class Plan:
         if warning is not None:
             warn_at_caller(*warning)
 
+    def _made_outside_warning(self, call: str, later: str) -> tuple[str, str] | None:
+        """NOTE [ Outputs made after the block ]
+        ``keep=None`` protects the live losses the output recorder saw made, under
+        ``track()``. An output made after the block (``loss = crit(out)`` below
+        ``with``; or a custom ``Function``'s output no tracked call used) is no record's,
+        and neither are the losses made beside it: they protect nothing, and a pass from
+        one of them frees the graph the others need. So where an output has no record
+        and the release cut into the graph of a live tracked tensor its pass did not
+        reach (``outs[1]``, which the next loss is computed from), the call warns, and
+        names that tensor. Only then is that graph walked: one walk, from those
+        tensors."""
+        if not self._unreached or not self.handles_by_node:
+            return None
+        walked = reach([fn for fn, _ in self._unreached])
+        first = min((walked[node] for node in self.handles_by_node if node in walked), default=None)
+        if first is None:
+            return None
+        t = self._unreached[first][1]
+        return (
+            f"{call}: {self._what()} was not made under graphprune.track() (computed after the `with` block, "
+            "or a custom autograd.Function's output that no tracked call used), so keep=None cannot see the "
+            f"losses made beside it, which protect nothing then: this call released the graph of "
+            f"{_tensor_text(t, ALL)}, which its pass did not run through. Compute the losses inside `with "
+            f"graphprune.track():`, or name what later passes start from: {later}.",
+            f"{call}: made outside track()",
+        )
+
     def untracked_warning(self, call: str) -> tuple[str, str] | None:
         """``(message, kind)`` where this call releases nothing because its graph was
         built outside ``track()``, or ``None``."""
@@ -398,6 +432,9 @@ class Plan:
         untracked = self.untracked_warning(call)
         if untracked is not None:
             return untracked
+        outside = self._made_outside_warning(call, later)
+        if outside is not None:
+            return outside
         freed = self.report_args["bytes_freed"]
         if not self._losses:
             return None
@@ -771,8 +808,8 @@ def _split_live(ys, reached: dict, supports: dict, earlier: list) -> tuple[list,
         nr = t.output_nr
         if fn not in reached:
             now = NOTHING
-        elif fn in supports:
-            now = supports[fn].get(nr, NOTHING)
+        elif fn in supports and (t.dim() == 1 or _is_router(fn)):  # NOTE [ Supports at every node a
+            now = supports[fn].get(nr, NOTHING)  # router feeds ] in _graph.py: losses, not logits[:, :-1]
         else:
             now = ALL
         if now is ALL:
@@ -855,11 +892,13 @@ class Release:
     may have started from, to name in the error that pass meets."""
 
     # weakly referenced: NOTE [ No node released ]
-    __slots__ = ("_text", "_candidates", "note", "routed", "entries_of", "__weakref__")
+    __slots__ = ("_text", "_candidates", "note", "routed", "entries_of", "passless", "unseen", "__weakref__")
 
-    def __init__(self, text, candidates: list, note: str | None = None,
-                 routed: str | None = None, entries_of: frozenset = frozenset()) -> None:
+    def __init__(self, text, candidates: list, note: str | None = None, routed: str | None = None,
+                 entries_of: frozenset = frozenset(), passless: bool = False, unseen: bool = False) -> None:
         self._text = text
+        self.passless = passless  # a prune_after: no pass of its own, which may have come before the pass
+        self.unseen = unseen  # keep=None, an output no tape recorded: NOTE [ Outputs made after the block ]
         self._candidates = [(weakref.ref(t), part, rank) for t, part, rank in candidates]
         self.note = note  # what to do, where keep= cannot help (a lazy head's callable built it)
         self.routed = routed  # the torch call pruning() made this one of, whose code you may not edit
@@ -881,7 +920,15 @@ class Release:
     def hint(self, node) -> str | None:
         """What ``keep=`` would have kept ``node``: of the live tensors whose graph
         reaches it, one that no pass had run through (a later pass more likely starts
-        there), nearest to it; the call's own outputs last."""
+        there), nearest to it; the call's own outputs last. Where the call's output was
+        made after the ``track()`` block, it says so too."""
+        hint = self._keep_hint(node)
+        if not self.unseen:
+            return hint
+        return (hint or "Pass keep= what a later pass runs through to that call: a later loss, or the "
+                "tensor a later step builds on (h, in a loop's h = cell(x, h)).") + _UNSEEN
+
+    def _keep_hint(self, node) -> str | None:
         if node is None:
             return None
         best = None
@@ -911,14 +958,39 @@ class Release:
                _STARTED: " (that call's own output)"}[rank]
         if rank == _RUN_THROUGH and id(t) in self.entries_of:
             # an entry of losses in a vector (a per-task mean(0)): the pass from per_task[0] ran through it
-            why = why[:-1] + (", all of it: only torch.stack, torch.cat and losses[i] = l_i keep "
-                              "track of which entries a pass ran from)")
+            why = why[:-1] + (", all of it: only torch.stack, torch.cat, losses[i] = l_i and the entries of "
+                              "a 1-d tensor keep track of which entries a pass ran from)")
         where = (f"Pass {advice} to that call" if self.routed is None else
                  f"Open the graphprune.pruning() block with {advice.replace('it as', 'that tensor as')}")
+        if rank == _STARTED and self.passless:  # a prune before its output's own pass, or a second pass
+            whose = f"{what}'s" if name is not None else "its"
+            return (
+                f"The graph of {subject} reaches this node, and that call did not keep it{why}. If that "
+                f"call came before {whose} backward pass, run the pass first (a prune releases "
+                f"what a pass that has run no longer needs); if a later pass starts from it again, "
+                f"{where[0].lower()}{where[1:]}."
+            )
         return (
             f"The graph of {subject} reaches this node, and that call did not keep it{why}. "
             f"{where} if a later backward pass starts from it (keep= is a retain_graph for one subgraph)."
         )
+
+
+def _made_under_a_tape(t: torch.Tensor, record) -> bool:
+    """Whether ``t`` (its record, if any) is one the output recorder saw made, or an
+    entry of one (``losses[0]``, taken after the block from losses made in it)."""
+    if record is not None and record.ours:
+        return True
+    base = t._base
+    if base is None:
+        return False
+    ref = _outputs.output_of(base)
+    return ref is not None and ref.ours
+
+
+_UNSEEN = (" That call's output was made after the track() block (or is a custom Function's output no "
+           "tracked call used), so keep=None saw no loss made beside it: compute the losses inside `with "
+           "graphprune.track():`.")
 
 
 def _part_reaching(t: torch.Tensor, part, node):
@@ -951,7 +1023,8 @@ def _zero_only_released(roots: list, reached: dict, supports: dict) -> list:
     may make a zero gradient non-zero (NOTE [ Zeros that may not stay zeros ])."""
     out: list = []
     seen: set = set()
-    stack = [c for node in supports for c, _ in node.next_functions if c is not None and c not in reached]
+    stack = [c for node in supports if _is_router(node)  # a node that does not route sends on what it gets
+             for c, _ in node.next_functions if c is not None and c not in reached]
     while stack:
         node = stack.pop()
         if node in seen:

@@ -4,8 +4,9 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import operator
 import threading
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 
 import torch
 from torch.autograd.graph import GradientEdge
@@ -17,6 +18,24 @@ from ._report import KeptReason, PruneReport, nothing_released
 from ._warn import warn_at_caller
 
 __all__ = ["prune_after", "explain", "backward", "grad", "last_report"]
+
+
+def inputs_of_a_pass(inputs, call: str):
+    """``inputs`` as ``torch.autograd.grad`` takes them (a tensor, a ``GradientEdge``,
+    or an iterable of them), or a ``TypeError`` that names the argument.
+
+    Example::
+
+        >>> inputs_of_a_pass(None, "graphprune.grad")
+        Traceback (most recent call last):
+        ...
+        TypeError: graphprune.grad: inputs must be a tensor, a GradientEdge or a sequence of them ...
+    """
+    if isinstance(inputs, (torch.Tensor, GradientEdge, Iterable)):
+        return inputs
+    raise TypeError(f"{call}: inputs must be a tensor, a GradientEdge or a sequence of them (what "
+                    f"torch.autograd.grad takes: the tensors to differentiate with respect to), got "
+                    f"{type(inputs).__name__}")
 
 
 def _leaf_grads(roots, inputs) -> list[torch.Tensor]:
@@ -52,6 +71,7 @@ def _pass_and_prune(call: str, outputs, arg: str, keep, retain_graph, create_gra
     ``autograd.grad`` pass keeps what lies below an intermediate it stops at, where
     ``autograd.backward(inputs=)`` frees it: :func:`~graphprune._plan.input_guards`).
     Return the pass's result and the report (also :func:`last_report`'s)."""
+    retain_graph = _retain_flag(retain_graph, call)
     tensors, edges = as_outputs(outputs, call, arg, leaves=True)
     routed = getattr(_routing, "call", None)
     roots = [*tensors, *edges]  # the leaves torch takes have no graph: their pass only writes .grad
@@ -74,9 +94,30 @@ def _pass_and_prune(call: str, outputs, arg: str, keep, retain_graph, create_gra
         plan = Plan(call, roots, keep, arg=arg, guards=below)
         plan.reason.routed = routed
         result = plan.run(lambda: pass_fn(not plain), ran_only=plain)
-    if retain_graph is None:
+    report = _remember(plan.report(call, dry_run=False), retain_graph)  # a warning made an error: it is
+    if retain_graph is None:  # last_report() all the same, as the pass ran and the branch is released
         plan.warn(call)
-    return result, _remember(plan.report(call, dry_run=False), retain_graph)
+    return result, report
+
+
+def _retain_flag(retain_graph, call: str) -> bool | None:
+    """``retain_graph`` as PyTorch reads it: ``None``, or the truth of an integer (a
+    bool, ``0``, a 0-d integer tensor); anything else is a ``TypeError``, as there.
+
+    Example::
+
+        >>> _retain_flag(0, "graphprune.backward"), _retain_flag(None, "graphprune.backward")
+        (False, None)
+    """
+    if retain_graph is None or type(retain_graph) is bool:
+        return retain_graph
+    try:
+        return bool(operator.index(retain_graph))
+    except TypeError:
+        kind = type(retain_graph)
+        name = kind.__qualname__ if kind.__module__ == "builtins" else (
+            f"{kind.__module__}.{kind.__qualname__}")
+        raise TypeError(f"{call}: retain_graph must be a bool or None, got {name}") from None
 
 
 def prune_after(y: torch.Tensor | Sequence[torch.Tensor], keep=None) -> PruneReport:
@@ -253,7 +294,8 @@ def grad(
     call = "graphprune.grad"
     outputs = listed(outputs)
     if not isinstance(inputs, (torch.Tensor, GradientEdge, Sequence, dict)):
-        inputs = list(inputs)  # a generator (model.parameters()): the pass and the plan both read it
+        inputs = list(inputs_of_a_pass(inputs, call))  # a generator (model.parameters()): the pass and
+        # the plan both read it
 
     def pass_fn(retain: bool):
         return torch.autograd.grad(

@@ -109,6 +109,8 @@ def render(
     if by_module is not None and (type(by_module) is not int or by_module < 1):
         raise ValueError("graphprune.render: by_module must be a number of name parts, 1 or more (1: "
                          f"'trunk', 2: 'trunk.0'), got {by_module!r}")
+    if title is not None and not isinstance(title, str):
+        raise TypeError(f"graphprune.render: title must be a str, got {type(title).__name__}")
     if report is not None and not isinstance(report, PruneReport):
         raise TypeError("graphprune.render: report must be a PruneReport (what prune_after, backward or "
                         f"explain returned), got {type(report).__name__}")

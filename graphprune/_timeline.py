@@ -17,9 +17,11 @@ Without a timeline none of this exists: ``track()`` installs the plain pack hook
 
 from __future__ import annotations
 
+import os
 import threading
 import time
 import weakref
+from collections.abc import Iterable, Mapping
 from typing import NamedTuple
 
 import torch
@@ -170,6 +172,15 @@ def plot_timeline(runs, path: str, title: str | None = None) -> None:
     """
     from ._draw import figure, save
 
+    if isinstance(runs, Mapping) or not isinstance(runs, (Timeline, Iterable)):
+        hint = "; pass its timelines: list(d.values())" if isinstance(runs, Mapping) else ""
+        raise TypeError("graphprune.plot_timeline: runs must be a graphprune.Timeline or a list of them, "
+                        f"got {type(runs).__name__}{hint}")
+    if not isinstance(path, (str, os.PathLike)):
+        raise TypeError(f"graphprune.plot_timeline: path must be a file name (.png, .svg, .pdf), "
+                        f"got {type(path).__name__}")
+    if title is not None and not isinstance(title, str):
+        raise TypeError(f"graphprune.plot_timeline: title must be a str, got {type(title).__name__}")
     runs = [runs] if isinstance(runs, Timeline) else list(runs)
     if not runs:
         raise ValueError("graphprune.plot_timeline: runs is empty; pass a Timeline or a list of them")

@@ -284,3 +284,19 @@ def test_what_a_helper_releases_after_its_passes_is_not_called_a_pass(tmp_path):
     assert proc.returncode == 0, proc.stderr
     assert "[2] graphprune.grads_each at train.py:8, pass 2\n" in proc.stdout
     assert "[3] graphprune.grads_each at train.py:8, after the passes\n" in proc.stdout
+
+
+def test_misuse_of_the_command_line_is_a_usage_error(tmp_path):
+    """No command, a directory as the script and an --svg that names a file were a help
+    text with exit 0, "no such script" and a FileExistsError traceback."""
+    script = tmp_path / "s.py"
+    script.write_text("print('ran')\n")
+    taken = tmp_path / "taken.svg"
+    taken.write_text("")
+    for argv, said in [([], None), (["explain", str(tmp_path)], "a directory, not a script"),
+                       (["explain", "--svg", str(taken), str(script)], "--svg takes a directory")]:
+        proc = subprocess.run([sys.executable, "-m", "graphprune", *argv], capture_output=True, text=True,
+                              timeout=120, cwd=ROOT)
+        assert proc.returncode == 2 and "usage: python -m graphprune" in proc.stderr, (argv, proc.stderr)
+        assert said is None or said in proc.stderr
+        assert "Traceback" not in proc.stderr and "ran" not in proc.stdout

@@ -3,6 +3,7 @@
 import dataclasses
 import gc
 import sys
+import warnings
 import weakref
 
 import pytest
@@ -236,6 +237,17 @@ def test_grad_names_its_bad_arguments(branch):
     (lambda y, w, p: gp.plot_timeline([], p), r"graphprune.plot_timeline: runs is empty"),
     (lambda y, w, p: gp.grads_each([y], w, accumulate=None),
      r"graphprune.grads_each: accumulate must be a leaf tensor or a list of them .* got NoneType"),
+    (lambda y, w, p: gp.grads_each([y], w, accumulate=[torch.ones(2)]),
+     r"accumulate\[0\] must be a leaf tensor that requires grad \(a parameter\), got a Tensor that does not"),
+    (lambda y, w, p: gp.grad(y, None), r"graphprune.grad: inputs must be a tensor, a GradientEdge or a"),
+    (lambda y, w, p: gp.grad(y, 1.0), r"graphprune.grad: inputs must be .* got float"),
+    (lambda y, w, p: gp.grads_each([y], None), r"graphprune.grads_each: inputs must be .* got NoneType"),
+    (lambda y, w, p: gp.backward(y, retain_graph="yes"), r"graphprune.backward: retain_graph must be a bool"),
+    (lambda y, w, p: gp.Tape(timeline=1), r"graphprune.track: timeline must be a graphprune.Timeline, got"),
+    (lambda y, w, p: gp.render(y, path=p, title=5), r"graphprune.render: title must be a str, got int"),
+    (lambda y, w, p: gp.plot_timeline(None, p), r"plot_timeline: runs must be a graphprune.Timeline .*None"),
+    (lambda y, w, p: gp.plot_timeline({"a": gp.Timeline()}, p), r"got dict; pass its timelines"),
+    (lambda y, w, p: gp.plot_timeline(gp.Timeline(), None), r"plot_timeline: path must be a file name"),
 ])
 def test_bad_arguments_of_the_other_calls_are_named(branch, tmp_path, call, match):
     # they raised AttributeError, IndexError or an unnamed TypeError from deep inside
@@ -264,16 +276,51 @@ def test_a_head_built_after_the_last_of_two_heads_is_told_keep_x_not_the_last_lo
 
 
 def test_the_hint_says_a_vector_of_losses_a_pass_ran_from_one_entry_of_counts_as_run_through():
-    # per_task = mse(reduction="none").mean(0): the pass from per_task[0] runs through its
-    # MeanBackward; the hint said only "the pass it followed had run through it"
+    # per_task = mse(reduction="none").mean(0) as a column: the pass from per_task[0] runs through
+    # its node, which does not route; the hint said only "the pass it followed had run through it"
     w = torch.randn(4, 3, requires_grad=True)
     with gp.track():
-        per_task = ((torch.randn(5, 4) @ w).tanh() - 1).pow(2).mean(0)
+        per_task = ((torch.randn(5, 4) @ w).tanh() - 1).pow(2).mean(0)[:, None] * 1.0
     gp.backward(per_task[0])
-    with pytest.raises(gp.ReleasedTensorError, match=r"The graph of per_task \(tensor of shape \(3,\).*"
-                       r"run through it, all of it: only torch.stack, torch.cat and losses\[i\] = l_i .*"
-                       r"Pass keep=per_task to that call"):
+    with pytest.raises(gp.ReleasedTensorError, match=r"The graph of per_task \(tensor of shape \(3, 1\).*"
+                       r"run through it, all of it: only torch.stack, torch.cat, losses\[i\] = l_i and the "
+                       r"entries of a 1-d tensor .* Pass keep=per_task to that call"):
         per_task[1].backward()
+
+
+def test_the_entries_of_a_vector_of_losses_held_live_protect_the_later_passes():
+    """NOTE [ Supports at every node a router feeds ]: per_task = mse(reduction="none").mean(0),
+    a pass per entry. The pass from per_task[0] ran through entry 0 only (the node of
+    per_task does not route): the others keep the graph till the last entry's pass."""
+    torch.manual_seed(0)
+    w, inp = torch.randn(4, 3, requires_grad=True), torch.randn(5, 4)
+
+    def per_entry(use_gp):
+        with gp.track():
+            per_task = ((inp @ w).tanh() - 1).pow(2).mean(0)
+        grads, reports = [], []
+        for i in range(3):
+            w.grad = None
+            reports.append(gp.backward(per_task[i]) if use_gp else per_task[i].backward(retain_graph=True))
+            grads.append(w.grad.clone())
+        return grads, reports
+
+    got, reports = per_entry(True)
+    for a, b in zip(got, per_entry(False)[0]):
+        torch.testing.assert_close(a, b)
+    assert [r.released_tensors > 0 for r in reports] == [False, False, True]
+
+
+def test_a_pass_from_a_slice_of_held_logits_runs_through_all_of_them():
+    """A causal LM's shift (``logits[:, :-1]``) leaves the last position, which no later
+    pass starts from: the held logits do not keep the graph (only a 1-d tensor's
+    entries are losses)."""
+    w = torch.randn(4, 6, requires_grad=True)
+    with gp.track():
+        logits = (torch.randn(2, 3, 4) @ w).tanh()  # held, as a model output object holds them
+        loss = logits[:, :-1].pow(2).mean()
+    report = gp.backward(loss)
+    assert report.released_nodes["TanhBackward0"] == 1  # the logits' node: their graph is freed
 
 
 def test_the_hint_for_a_feature_says_nothing_of_entries():
@@ -318,3 +365,87 @@ def test_a_loop_that_rebinds_the_state_it_should_keep_is_told_what_keep_takes():
                 loss = h.pow(2).mean()
                 h = torch.tanh(h @ w)  # the next step built on h before loss's pass
                 gp.backward(loss)  # keep=h forgotten
+
+
+@pytest.mark.parametrize("flag", [0, 2, torch.tensor(False), torch.tensor(1)])
+def test_retain_graph_is_read_as_torch_reads_it(flag):
+    """``retain_graph`` was tested by identity: ``retain_graph=0`` kept the graph that
+    PyTorch's own pass frees."""
+    def kept(backward):
+        w = torch.ones(2, requires_grad=True)
+        y = (w * w).sum()
+        backward(y, retain_graph=flag)
+        try:
+            y.backward()
+        except RuntimeError:
+            return False
+        return True
+
+    assert kept(gp.backward) == kept(torch.autograd.backward) == bool(flag)
+
+
+def test_closing_a_tape_that_is_not_open_says_so():
+    tape = gp.Tape()
+    with pytest.raises(RuntimeError, match=r"this tape is not open \(never entered\)"):
+        tape.__exit__(None, None, None)
+    with tape:
+        pass
+    with pytest.raises(RuntimeError, match=r"this tape is not open \(closed already\)"):
+        tape.__exit__(None, None, None)
+
+
+def test_a_prune_before_its_outputs_pass_is_told_to_run_the_pass_first():
+    w = torch.ones(3, requires_grad=True)
+    with gp.track():
+        x = w.exp()
+        y1 = (x * x).sum()
+        y2 = x.sin().sum()
+    gp.prune_after(y1)  # before y1.backward()
+    with pytest.raises(gp.ReleasedTensorError, match=r"If that call came before y1's backward pass, run the "
+                       r"pass first .*; if a later pass starts from it again, pass keep=y1 to that call"):
+        y1.backward()
+    y2.backward()
+
+
+def _heads_with_losses_made_after_the_block():
+    w = torch.ones(3, requires_grad=True)
+    hs = [torch.full((3,), float(i + 1), requires_grad=True) for i in range(3)]
+    with gp.track():
+        z = w.exp()
+        outs = [(z * h).sin() for h in hs]
+    return outs, [o.sum() for o in outs]  # the losses: after the block
+
+
+def test_a_loss_made_after_the_block_warns_that_the_losses_beside_it_protect_nothing():
+    """NOTE [ Outputs made after the block ]: no tape saw the losses made, so keep=None
+    protects none of them, and the first pass freed the trunk in silence; the error
+    the next pass met named a head's output, not the cause."""
+    outs, losses = _heads_with_losses_made_after_the_block()
+    with pytest.warns(gp.GraphPruneWarning, match=r"graphprune.backward: tensor of shape \(\), torch.float32 "
+                      r"was not made under graphprune.track\(\) .* released the graph of outs\[1\] "):
+        gp.backward(losses[0])
+    with pytest.raises(gp.ReleasedTensorError, match=r"That call's output was made after the track\(\)"):
+        losses[1].backward()
+
+
+def test_a_single_loss_made_after_the_block_frees_its_graph_without_a_warning():
+    w = torch.ones(3, requires_grad=True)
+    with gp.track():
+        logits = w.exp().sin()  # held, for a metric
+    loss = logits.sum()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        report = gp.backward(loss)
+    assert report.released_nodes == {"SinBackward0": 1, "ExpBackward0": 1}
+
+
+def test_a_warning_made_an_error_leaves_its_call_as_last_report():
+    """The pass ran and the branch is released when the warning is shown: under an
+    ``error`` filter, ``last_report()`` was the call before's."""
+    outs, losses = _heads_with_losses_made_after_the_block()
+    before = gp.explain(losses[0], keep=outs[1])
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", gp.GraphPruneWarning)
+        with pytest.raises(gp.GraphPruneWarning):
+            gp.backward(losses[0])
+    assert gp.last_report() is not before and gp.last_report().call == "graphprune.backward"
