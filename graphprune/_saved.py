@@ -151,7 +151,10 @@ def pack_hook(tape: int):
     """
 
     def pack(t: torch.Tensor) -> SavedHandle:  # NOTE [ What the forward pays ]
-        if _modes_on() and type(t) is _Tensor:  # NOTE [ Reads no mode sees ]
+        kind = type(t)
+        if kind is not _Tensor and kind is not _Parameter:  # NOTE [ Reads no mode sees ]
+            return _subclass_handle(t, tape)
+        if _modes_on():
             with _NoTorchFunction():
                 return _handle(t, tape)
         if t.is_leaf:
@@ -172,17 +175,28 @@ def _handle(t: torch.Tensor, tape: int) -> SavedHandle:
     return SavedHandle(t.detach(), t._version, tape, False, False)
 
 
+def _subclass_handle(t: torch.Tensor, tape: int) -> SavedHandle:
+    with _NoTorchFunction():
+        leaf, version, view = t.is_leaf, t._version, t._is_view()
+        of_a_leaf = view and not leaf and t._base.is_leaf
+    if leaf:
+        return SavedHandle(t, version, tape, True, view)
+    return SavedHandle(t.detach(), version, tape, of_a_leaf, view)
+
+
 # NOTE [ Reads no mode sees ]
 # Inside a torch call the pack hook runs with the recorder off and no other mode on,
 # unless the user entered one outside ``track()``; a custom ``Function``'s
 # ``save_for_backward`` packs outside any torch call, the recorder on. There, the
 # hook's reads (``is_leaf``, ``detach``, ``_is_view``) would reach the modes as calls
 # the program never made: they run with torch-function dispatch off (one check per
-# saved tensor otherwise). A subclass's tensor is read through its own
-# ``__torch_function__`` as before: its ``detach`` keeps its type for the backward.
+# saved tensor otherwise). A subclass's tensor is read so too (its ``__torch_function__``
+# sees no ``is_leaf`` or ``_version`` that the program did not ask), but detached
+# through it: its ``detach`` keeps its type (and what it carries) for the backward.
 _modes_on = torch._C._len_torch_function_stack  # how many torch-function modes are on now
 _NoTorchFunction = torch._C.DisableTorchFunction
 _Tensor = torch.Tensor
+_Parameter = torch.nn.Parameter  # a subclass whose __torch_function__ is torch's own, disabled
 
 
 def _describe(t: torch.Tensor) -> str:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import itertools
+import os
 import sys
 import threading
 import types
@@ -534,6 +535,9 @@ class Tape:
     """
 
     def __init__(self, timeline=None, modules=False) -> None:
+        if timeline is not None and not isinstance(timeline, Timeline):
+            raise TypeError(f"graphprune.track: timeline must be a graphprune.Timeline, "
+                            f"got {type(timeline).__name__}")
         self.id = next(_tape_ids)
         self.timeline = timeline
         self.modules = None
@@ -580,6 +584,10 @@ class Tape:
         return self
 
     def __exit__(self, *exc) -> None:
+        if self._hooks is None:
+            state = "closed already" if self.end_seq is not None else "never entered"
+            raise RuntimeError(f"graphprune.track: this tape is not open ({state}); __exit__ closes "
+                               "what __enter__ opened")
         if threading.get_ident() != self._thread:
             raise RuntimeError("graphprune.track: a tape must be closed in the thread that opened it")
         tapes = _open_tapes()
@@ -589,16 +597,13 @@ class Tape:
             tapes.remove(self)
             if self._mode is not None:
                 if last or not tapes:
-                    self._mode.__exit__(*exc)
+                    _pop_mode_of(self._mode)
                 else:  # NOTE [ A tape closed out of order ]: the recorder stays, the outermost's now
                     tapes[0]._mode, self._mode = self._mode, None
         finally:
             if self.modules is not None:
                 self.modules.stop()
-            if last:
-                self._hooks.__exit__(*exc)
-            else:
-                _pop_hooks_of(self._pack)
+            _pop_hooks_of(self._pack)
             self._hooks = self._mode = self._pack = None
             self.end_seq = torch._C._autograd._get_sequence_nr()
             if index:  # the tape it was opened in
@@ -609,10 +614,13 @@ class Tape:
     # NOTE [ A tape closed out of order ]
     # A generator that yields inside ``track()`` closes its tape when it is closed or
     # collected, which may be while a tape opened after it is still open (``gen.close()``
-    # in the user's block). PyTorch's saved-tensor hooks are a stack: popping the top
-    # would take the open tape's hooks away and leave the closed one's. So a tape that
-    # is not the innermost takes out its own hooks from under the later ones, and hands
-    # the output recorder, which the outermost tape holds, to the tape that is now.
+    # in the user's block), or while saved-tensor hooks or a ``TorchFunctionMode`` of the
+    # user's entered after it are (a generator of the user's, started in the block, that
+    # holds them past it). PyTorch's hooks and modes are stacks: popping the top would
+    # take those away and leave the closed tape's on. So a tape takes out its own hooks
+    # and mode from under the later ones, which stay on in their order; one that is not
+    # the innermost tape hands the output recorder, which the outermost tape holds, to
+    # the tape that is now.
 
     def owns(self, node, handles, kind: str) -> bool:
         """Whether this tape's forward built ``node``, which saved ``handles`` (of ``kind``)."""
@@ -654,6 +662,40 @@ class Tape:
     def __repr__(self) -> str:
         state = "active" if self._hooks is not None else "closed"
         return f"<graphprune.Tape {self.id} {state}>"
+
+
+def _pop_mode_of(mode) -> None:
+    """Take ``mode`` out of this thread's stack of torch-function modes, those pushed
+    after it kept in their order (NOTE [ A tape closed out of order ])."""
+    above = []
+    while _len_modes() and (top := _pop_mode()) is not mode:
+        above.append(top)
+    for other in reversed(above):
+        _push_mode(other)
+
+
+_len_modes = torch._C._len_torch_function_stack
+_pop_mode = torch._C._pop_torch_function_stack
+_push_mode = torch._C._push_on_torch_function_stack
+
+
+def _untrack_a_forked_child() -> None:
+    """NOTE [ A forked child ]
+    A process forked inside ``track()`` (a ``DataLoader``'s workers, made when its
+    iterator is, a ``multiprocessing`` pool with the fork start method) starts with
+    the forking thread's torch-function modes and saved-tensor hooks: every op of
+    its data pipeline would go through the recorder, which plain PyTorch's worker
+    does not. So the child takes graphprune's out of both stacks (the user's stay, in
+    their order); its tapes stay open, untracking, and close as they would (a tape's
+    exit takes out only what it finds of its own)."""
+    for tape in _open_tapes():
+        if tape._mode is not None:
+            _pop_mode_of(tape._mode)
+        if tape._pack is not None:
+            _pop_hooks_of(tape._pack)
+
+
+os.register_at_fork(after_in_child=_untrack_a_forked_child)
 
 
 def _pop_hooks_of(pack) -> None:
@@ -704,7 +746,4 @@ def track(*, timeline=None, modules=False) -> Tape:
         2
         >>> (x.sqrt().sum()).backward()   # x's graph is still there
     """
-    if timeline is not None and not isinstance(timeline, Timeline):
-        raise TypeError(f"graphprune.track: timeline must be a graphprune.Timeline, "
-                        f"got {type(timeline).__name__}")
     return Tape(timeline, modules)

@@ -1,5 +1,6 @@
 """One test per bug found in review, named after what it guards."""
 
+import contextlib
 import subprocess
 import sys
 import threading
@@ -208,6 +209,54 @@ def test_a_generator_s_tape_closed_inside_a_later_block_leaves_that_block_tracke
         return w.grad.clone()
 
     assert_close(step(close_inside=True), step(close_inside=False))
+
+
+class _SeenCalls(torch.overrides.TorchFunctionMode):
+    def __init__(self):
+        super().__init__()
+        self.seen = []
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        self.seen.append(func.__name__)
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.mark.parametrize("who", ["the tape's generator", "the user's generator"])
+def test_a_tape_closed_under_the_users_hooks_and_mode_leaves_them_on(who):
+    """NOTE [ A tape closed out of order ]: a tape closed while saved-tensor hooks and a
+    TorchFunctionMode entered after it were open popped the top of each stack, the
+    user's, and left its own on past its block."""
+    w = torch.ones(2, requires_grad=True)
+
+    def run(tracked):
+        context = gp.track if tracked else contextlib.nullcontext
+        packed, mode = [], _SeenCalls()
+        hooks = torch.autograd.graph.saved_tensors_hooks(lambda t: packed.append(1) or t, lambda t: t)
+        if who == "the tape's generator":  # closed while the user's hooks and mode are on
+            def tape_open():
+                with context():
+                    yield
+            gen = tape_open()
+            next(gen)
+            with hooks, mode:
+                (w.exp() * w).sum()
+                gen.close()
+                (w.sin() * w).sum()
+        else:  # the user's generator holds its hooks and mode past the tape's block
+            def users():
+                with hooks, mode:
+                    yield
+            gen = users()
+            with context():
+                next(gen)
+                (w.exp() * w).sum()
+            (w.sin() * w).sum()
+            gen.close()
+        assert torch._C._len_torch_function_stack() == 0
+        assert torch._C._autograd._top_saved_tensors_default_hooks(False) is None
+        return len(packed), [name for name in mode.seen if name in ("exp", "sin")]
+
+    assert run(tracked=True) == run(tracked=False) == (6, ["exp", "sin"])
 
 
 def test_bytes_held_by_other_hooks_are_reported_unknown_not_zero():

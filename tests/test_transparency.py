@@ -643,6 +643,34 @@ def test_tensor_subclass_sees_the_same_calls():
     assert both(fn).value[2] == ["mul", "exp", "sum", "backward"]
 
 
+class _SavesItsInput(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x):
+        ctx.save_for_backward(x)
+        return x * 2
+
+    @staticmethod
+    def backward(ctx, g):
+        (x,) = ctx.saved_tensors
+        return g * 2 + 0 * x
+
+
+def test_a_subclass_a_custom_function_saves_sees_only_the_detach_of_graphprune_s_handle():
+    """``save_for_backward`` packs outside any torch call: the pack hook's reads of the
+    tensor (``is_leaf``, ``_is_view``, ``_version``) reached the subclass's
+    ``__torch_function__`` as calls the program never made (a subclass that refuses
+    unknown calls raised). Only the detach that graphprune's handle holds (which keeps
+    the subclass's type for the backward) goes through it."""
+    w = torch.ones(2, requires_grad=True)
+    x = (w * 1).as_subclass(LoggingTensor)
+    LoggingTensor.calls = []
+    with gp.track():
+        y = _SavesItsInput.apply(x)
+    assert LoggingTensor.calls == ["mul", "detach"]
+    y.sum().backward()
+    assert_close(w.grad, torch.full((2,), 2.0))
+
+
 class _UnhashableMeta(torch._C._TensorMeta):
     def __eq__(cls, other):  # __eq__ without __hash__: the classes it makes are unhashable
         return cls is other
@@ -1286,3 +1314,158 @@ def test_warnings_of_code_run_with_two_namespaces_go_to_each_ones_module():
     with gp.track():
         tracked = run()
     assert (plain, tracked) == (1, 1)
+
+
+class _StacksSeen(torch.utils.data.Dataset):
+    """What a worker's torch calls run under: (torch-function modes, no saved-tensor hooks)."""
+
+    def __len__(self):
+        return 2
+
+    def __getitem__(self, i):
+        no_hooks = torch._C._autograd._top_saved_tensors_default_hooks(False) is None
+        return torch.tensor([torch._C._len_torch_function_stack(), int(no_hooks)])
+
+
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="fork start method only")
+def test_a_dataloader_worker_forked_inside_track_runs_untracked():
+    """NOTE [ A forked child ] in _tape.py: a worker forked inside the block started
+    with the recorder and the pack hook on, as the forking thread had them."""
+    def fn():
+        loader = torch.utils.data.DataLoader(_StacksSeen(), batch_size=None, num_workers=1,
+                                             multiprocessing_context="fork")
+        return [batch.tolist() for batch in loader]
+
+    assert both(fn).value == [[0, 1], [0, 1]]
+
+
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="os.fork only")
+def test_a_child_forked_inside_track_closes_its_tape_and_keeps_the_users_hooks():
+    read, write = os.pipe()
+    w = torch.ones(2, requires_grad=True)
+    pid = -1
+    try:
+        with torch.autograd.graph.saved_tensors_hooks(lambda t: t, lambda t: t):
+            with gp.track():
+                pid = os.fork()
+                if pid == 0:  # the child: its block goes on, untracked, and closes
+                    inside = torch._C._len_torch_function_stack()
+                    (w.exp() * w).sum().backward()
+                y = (w.exp() * w).sum()
+            if pid == 0:
+                hooks = torch._C._autograd._top_saved_tensors_default_hooks(False) is not None
+        if pid == 0:
+            os.write(write, f"{inside} {int(hooks)} {torch._C._len_torch_function_stack()}".encode())
+    finally:
+        if pid == 0:  # never back into pytest
+            os._exit(0)
+    os.waitpid(pid, 0)
+    assert os.read(read, 100).decode() == "0 1 0"  # no recorder; the user's hooks on under the tape
+    os.close(read)
+    os.close(write)
+    y.backward()
+
+
+# -- what differs, as README's "What track() changes" says -----------------------------
+def test_data_assigned_to_a_saved_non_leaf_after_it_was_saved_is_not_what_the_backward_reads():
+    """graphprune holds ``x.detach()``, an alias of the data ``x`` had when saved;
+    ``x.data = new`` gives ``x`` other data, which plain PyTorch's saved variable (``x``
+    itself) reads."""
+    def fn():
+        w = torch.tensor([1.0, 2.0, 3.0], requires_grad=True)
+        x = w * 2
+        y = (x * w).sum()
+        x.data = torch.tensor([10.0, 20.0, 30.0])
+        y.backward()
+        return w.grad
+
+    plain, tracked = runs(fn)
+    assert_close(plain.value, torch.tensor([12.0, 24.0, 36.0]))
+    assert_close(tracked.value, torch.tensor([4.0, 8.0, 12.0]))
+
+
+def test_detach_in_place_of_a_saved_non_leaf_is_not_refused():
+    """PyTorch skips its check while saved-tensor hooks are set; the data is unchanged."""
+    def fn():
+        w = torch.tensor([1.0, 2.0, 3.0], requires_grad=True)
+        x = w * 2
+        y = (x * w).sum()
+        x.detach_()
+        y.backward()
+        return w.grad
+
+    plain, tracked = runs(fn)
+    assert plain.error[0] is RuntimeError and "detached in-place" in plain.error[1]
+    assert tracked.error is None
+    assert_close(tracked.value, torch.tensor([4.0, 8.0, 12.0]))
+
+
+def test_requires_grad_of_a_saved_leaf_is_read_as_it_was_saved_as_under_any_hooks():
+    def fn():
+        w, v = torch.ones(2, requires_grad=True), torch.ones(2, requires_grad=True)
+        y = (w * v).sum()
+        w.requires_grad_(False)
+        y.backward(create_graph=True)
+        return v.grad.requires_grad
+
+    plain, tracked = runs(fn)
+    hooked = outcome(fn, False, lambda: torch.autograd.graph.saved_tensors_hooks(lambda t: t, lambda t: t))
+    assert (plain.value, tracked.value, hooked.value) == (False, True, True)
+
+
+def test_the_inference_fast_path_of_transformer_layers_is_not_taken():
+    """torch takes it only where no torch function is overridden, and any
+    ``TorchFunctionMode`` is: the padded positions are computed, not zero."""
+    def fn():
+        torch.manual_seed(0)
+        layer = torch.nn.TransformerEncoderLayer(8, 2, 16, batch_first=True)
+        encoder = torch.nn.TransformerEncoder(layer, 1, enable_nested_tensor=True).eval()
+        x, pad = torch.randn(2, 3, 8), torch.tensor([[False, False, True], [False, False, False]])
+        with torch.no_grad():
+            return encoder(x, src_key_padding_mask=pad)[0, 2]
+
+    plain, tracked = runs(fn)
+    assert bool((plain.value == 0).all()) and not bool((tracked.value == 0).all())
+
+
+class _WarnsForItsCaller(torch.Tensor):
+    @classmethod
+    def __torch_function__(cls, func, types, args=(), kwargs=None):
+        if getattr(func, "__name__", "") == "exp":
+            warnings.warn("exp of this tensor is deprecated", DeprecationWarning, stacklevel=3)
+        return super().__torch_function__(func, types, args, kwargs or {})
+
+
+def _library_exp(t):
+    return t.exp()
+
+
+def test_a_warning_raised_in_a_torch_call_with_stacklevel_3_is_filed_in_graphprune_s_frame():
+    """The function that stands at the caller's line is one frame (NOTE [ Warnings at
+    the caller's line ] in _tape.py): a warning two frames out of the torch call meets
+    the recorder's."""
+    def fn():
+        return _library_exp(torch.ones(2).as_subclass(_WarnsForItsCaller))
+
+    plain, tracked = runs(fn)
+    assert [w[2] for w in plain.warnings] == [HERE] and [w[2] for w in tracked.warnings] == ["_tape.py"]
+
+
+def test_a_torch_call_takes_a_few_frames_of_the_recursion_limit():
+    def deepest():
+        reached = [0]
+
+        def down(t, depth):
+            reached[0] = depth
+            return down(t.neg(), depth + 1)
+
+        try:
+            down(torch.ones(1), 0)
+        except RecursionError:
+            pass
+        return reached[0]
+
+    plain, tracked = runs(deepest)
+    assert plain.value - 8 <= tracked.value < plain.value
+    with gp.track():  # and the recorder is whole after it
+        assert torch.ones(1).neg().item() == -1
