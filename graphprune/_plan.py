@@ -107,13 +107,13 @@ def as_outputs(
     return tensors, edges
 
 
-def _keep_roots(keep, call: str) -> list[tuple[Node, int | None, str]]:
+def _keep_roots(keep, call: str, warn_leaves: bool = True) -> list[tuple[Node, int | None, str]]:
     """``(node, output number or None for a node, description)`` of each root that
-    ``keep`` protects."""
+    ``keep`` protects; ``warn_leaves``: warn where they are all leaves."""
     single = isinstance(keep, GradientEdge) or not isinstance(keep, (list, tuple))
     items = [keep] if single else list(keep)
     roots = []
-    if items and all(_is_leaf(k) for k in items):
+    if warn_leaves and items and all(_is_leaf(k) for k in items):
         warn_at_caller(
             f"{call}: keep= names only leaf tensors (parameters, inputs); a leaf has no graph "
             "behind it, so it protects nothing. Name the tensor a later backward pass starts "
@@ -142,6 +142,12 @@ def _keep_roots(keep, call: str) -> list[tuple[Node, int | None, str]]:
                 hint = "; pass keep=list(...)"
             raise TypeError(f"{call}: {name} must be {what}, got {type(k).__name__}{hint}")
     return roots
+
+
+def _as_written(call: str, routed: str | None) -> str:
+    """A call as its messages name it: a call ``pruning()`` routed by the torch call
+    the code wrote (NOTE [ Routed calls ] in ``_pruning.py``)."""
+    return call if routed is None else f"{routed} (graphprune.pruning() ran it as {call})"
 
 
 def _is_leaf(k) -> bool:
@@ -227,14 +233,16 @@ class Plan:
     """
 
     @walks
-    def __init__(self, call: str, outputs, keep, arg: str = "y", extra=(), guards=(), edges=()):
+    def __init__(self, call: str, outputs, keep, arg: str = "y", extra=(), guards=(), edges=(),
+                 routed: str | None = None):
         ys, more = ([], []) if outputs is None and edges else as_outputs(outputs, call, arg)
         self.outputs, edges = ys, [*edges, *more]
         self._hooks: list = []
         tops = [(t.grad_fn, t.output_nr) for t in ys] + [(e.node, e.output_nr) for e in edges]
         self._edge_nodes = [e.node for e in edges]
         y_supports = _supports((fn, nr, ALL) for fn, nr in tops)
-        roots = None if keep is None else _keep_roots(keep, call)
+        # a routed call's keep= is its pruning() block's, which warned of leaves once, as it was entered
+        roots = None if keep is None else _keep_roots(keep, call, warn_leaves=routed is None)
         protect_extra = [(t.grad_fn, "the graph of a gradient made with create_graph=True")
                          for t in extra if t is not None and t.grad_fn is not None]
         protected = self._trunk_walk = self._head = None
@@ -258,8 +266,8 @@ class Plan:
         unseen = keep is None and not all(_made_under_a_tape(t, f[2]) for t, f in zip(ys, facts))
         # the tensors the call's outputs are entries of (per_task[0]): its pass ran through all of them
         self.reason = Release(functools.partial(_call_text, call, self._what), self._candidates,
-                              entries_of=frozenset(id(t._base) for t in ys if t._base is not None),
-                              passless=call == "graphprune.prune_after", unseen=unseen)
+                              routed=routed, passless=call == "graphprune.prune_after", unseen=unseen,
+                              entries_of=frozenset(id(t._base) for t in ys if t._base is not None))
         self._losses = losses = [p for p in pending if _may_start_a_pass(*p)] if keep is None else []
         self._unreached = [] if not unseen else [
             (fn, t) for fn, nr, part, t in pending
@@ -283,7 +291,8 @@ class Plan:
         self._guard_text = [protect[i][1] for i in order]
         if roots and self._trunk_walk is None and not _meet(self.reach, self.protected):
             warn_at_caller(
-                f"{call}: keep= reaches no node of the graph of {self._what()}, its parameters aside, so it "
+                f"{_as_written(call, routed)}: keep= reaches no node of the graph of {self._what()}, its "
+                "parameters aside, so it "
                 "protects nothing this call releases (a tensor of another forward's graph, an earlier "
                 "batch's, or one whose graph an earlier prune released). Name the tensor a later "
                 "backward pass starts from, or the intermediate it is built on (the trunk's output x).",
@@ -427,7 +436,7 @@ class Plan:
         backpropagates in later passes (a per-loss helper's), losses whatever they save."""
         later = "keep=[later losses]"
         if self.reason.routed is not None:
-            call = f"{self.reason.routed} (graphprune.pruning() ran it as {call})"
+            call = _as_written(call, self.reason.routed)
             later = f"graphprune.pruning({later})"
         untracked = self.untracked_warning(call)
         if untracked is not None:

@@ -86,13 +86,11 @@ def _pass_and_prune(call: str, outputs, arg: str, keep, retain_graph, create_gra
         # (``(loss + g.pow(2).sum()).backward()``), as torch's create_graph retains them
         again = [] if keep is not None else [(r.grad_fn, r.output_nr, _AGAIN) for r in tensors] + [
             (e.node, e.output_nr, _AGAIN) for e in edges]
-        plan = Plan(call, roots, keep, arg=arg, extra=made(result), guards=again + below)
-        plan.reason.routed = routed
+        plan = Plan(call, roots, keep, arg=arg, extra=made(result), guards=again + below, routed=routed)
         plan.release()
     else:  # retain_graph=False is PyTorch's own pass, create_graph or not: it frees what it runs, all of it
         plain = retain_graph is False
-        plan = Plan(call, roots, keep, arg=arg, guards=below)
-        plan.reason.routed = routed
+        plan = Plan(call, roots, keep, arg=arg, guards=below, routed=routed)
         result = plan.run(lambda: pass_fn(not plain), ran_only=plain)
     report = _remember(plan.report(call, dry_run=False), retain_graph)  # a warning made an error: it is
     if retain_graph is None:  # last_report() all the same, as the pass ran and the branch is released
@@ -183,6 +181,15 @@ def _prune_after(y, keep) -> tuple[PruneReport, tuple[str, str] | None]:
 def explain(y: torch.Tensor | Sequence[torch.Tensor], keep=None) -> PruneReport:
     """What :func:`prune_after` would release and keep, releasing nothing.
 
+    Args:
+        y: the output whose branch a prune would free (a tensor or a ``GradientEdge``,
+            or a sequence of them), as :func:`prune_after` takes it.
+        keep: what would stay differentiable (see :func:`prune_after`).
+
+    Returns:
+        The :class:`PruneReport` the prune would give (``dry_run``; also
+        :func:`last_report`'s).
+
     Example::
 
         >>> import torch, graphprune as gp
@@ -227,7 +234,12 @@ def backward(
     report says what it holds); ``retain_graph=False`` is PyTorch's pass too, with
     ``create_graph=True`` or without: it frees what it runs (nodes built outside
     ``track()`` included) and keeps what ``inputs=`` stops it from running.
-    :func:`last_report` returns the report too.
+    ``grad_tensors``, ``create_graph``, ``grad_variables`` (deprecated) and ``inputs``
+    are passed to the pass as ``torch.autograd.backward`` reads them.
+
+    Returns:
+        The :class:`PruneReport` of what was released and kept (:func:`last_report`
+        returns it too).
 
     Example::
 
@@ -243,6 +255,12 @@ def backward(
         tensor([17.4964, 17.4964, 17.4964, 17.4964])
     """
     call = "graphprune.backward"
+    if grad_variables is not None:  # torch's warning and error, at your line, not graphprune's pass's
+        warn_at_caller("`grad_variables` is deprecated. Use `grad_tensors` instead.", category=FutureWarning)
+        if grad_tensors is not None:
+            raise RuntimeError("`grad_tensors` and `grad_variables` (deprecated) arguments both passed to "
+                               "`backward()`. Please only use `grad_tensors`.")
+        grad_tensors, grad_variables = grad_variables, None
     tensors = listed(tensors)  # a generator, dict.values(), as torch takes: read by the plan, then the pass
     if inputs is not None and not isinstance(inputs, (torch.Tensor, Sequence, dict)):
         inputs = list(inputs)  # a generator (model.parameters()): the pass and made() both read it
@@ -292,6 +310,12 @@ def grad(
         {'MulBackward0': 1}
     """
     call = "graphprune.grad"
+    if not only_inputs:  # torch's warning, at your line
+        warn_at_caller("only_inputs argument is deprecated and is ignored now (defaults to True). To "
+                       "accumulate gradient for other parts of the graph, please use "
+                       "torch.autograd.backward.",
+                       category=FutureWarning)
+        only_inputs = True
     outputs = listed(outputs)
     if not isinstance(inputs, (torch.Tensor, GradientEdge, Sequence, dict)):
         inputs = list(inputs_of_a_pass(inputs, call))  # a generator (model.parameters()): the pass and

@@ -531,7 +531,8 @@ def _call_inplace_on_view(call, func, args, kwargs, frame):
 class Tape:
     """The record of forward passes run inside one ``with graphprune.track():``.
 
-    Use :func:`track` to make one. Holding a tape keeps no tensor and no node alive.
+    Use :func:`track` to make one (``timeline`` and ``modules`` as it takes them).
+    Holding a tape keeps no tensor and no node alive.
     """
 
     def __init__(self, timeline=None, modules=False) -> None:

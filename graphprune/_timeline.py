@@ -47,7 +47,8 @@ class Timeline:
     Pass it to :func:`~graphprune.track` (``track(timeline=tl)``); it records each
     saved tensor packed in that block and each one let go, whenever that happens;
     :meth:`mark` adds labelled points (the phases of a step). One timeline may
-    record several tapes, one after the other.
+    record several tapes, one after the other. ``label`` names it in
+    :func:`plot_timeline`'s legend.
 
     Example::
 
@@ -155,8 +156,9 @@ class Timeline:
 
 
 def plot_timeline(runs, path: str, title: str | None = None) -> None:
-    """Draw one or more timelines on one plot, one line each, and save it to ``path``
-    (``.png``, ``.svg``, ``.pdf``; needs matplotlib).
+    """Draw ``runs`` (a :class:`Timeline` or a list of them) on one plot, one line each,
+    and save it to ``path`` (``.png``, ``.svg``, ``.pdf``; needs matplotlib), with
+    ``title`` above it if given.
 
     Where every run has the same marks in the same order (one step, by several
     strategies), the x axis is the phases between the marks, each run's events spread

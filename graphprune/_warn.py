@@ -49,8 +49,10 @@ class _Text(str):
         return hash(self.kind)
 
 
-def warn_at_caller(message: str, kind: str | None = None) -> None:
-    """Warn ``message`` (a :class:`GraphPruneWarning`) at the first frame outside
+def warn_at_caller(message: str, kind: str | None = None,
+                   category: type[Warning] = GraphPruneWarning) -> None:
+    """Warn ``message`` (a :class:`GraphPruneWarning`, or ``category``: PyTorch's own
+    warning of an argument graphprune passes on) at the first frame outside
     graphprune; ``kind``: what makes two messages the same warning, where the message
     carries numbers that change from call to call."""
     if kind is not None:
@@ -59,7 +61,7 @@ def warn_at_caller(message: str, kind: str | None = None) -> None:
     while frame is not None and frame.f_code.co_filename.startswith(_OWN_DIR):
         frame = frame.f_back
     if frame is None:
-        warnings.warn(message, GraphPruneWarning, stacklevel=2)
+        warnings.warn(message, category, stacklevel=2)
         return
     module_globals = frame.f_globals
     where = dict(
@@ -67,13 +69,13 @@ def warn_at_caller(message: str, kind: str | None = None) -> None:
         registry=module_globals.setdefault("__warningregistry__", {}),
     )
     try:  # module_globals: the line's source, through the module's loader
-        warnings.warn_explicit(message, GraphPruneWarning, frame.f_code.co_filename, frame.f_lineno,
+        warnings.warn_explicit(message, category, frame.f_code.co_filename, frame.f_lineno,
                                module_globals=module_globals, **where)
     except Warning:  # a filter made it an error
         raise
     except Exception:  # the loader gives no such line, where plain warn() reads none: `python -c`,
         # stdin (ImportError), code exec'd with a module's globals past its last line (IndexError)
-        warnings.warn_explicit(message, GraphPruneWarning, frame.f_code.co_filename, frame.f_lineno, **where)
+        warnings.warn_explicit(message, category, frame.f_code.co_filename, frame.f_lineno, **where)
 
 
 def is_module_namespace(namespace: dict) -> bool:

@@ -2,6 +2,7 @@
 
 import collections
 import inspect
+import os
 
 import pytest
 import torch
@@ -238,3 +239,21 @@ def test_a_dict_of_outputs_is_refused_by_name(call):
             gp.grad(outputs, w)
         else:
             getattr(gp, call)(outputs)
+
+
+def test_the_deprecated_arguments_warn_at_your_line_as_torch_warns_at_its_callers():
+    """torch's FutureWarning for ``grad_variables`` / ``only_inputs`` (stacklevel=2) was
+    filed at graphprune's pass, the caller of ``torch.autograd.backward``."""
+    w = torch.ones(2, requires_grad=True)
+    with gp.track():
+        x = w.exp()
+    for call, match in [(lambda: gp.backward((x * x).sum(), grad_variables=torch.tensor(1.0), keep=x),
+                         "`grad_variables` is deprecated"),
+                        (lambda: gp.grad((x * x).sum(), w, only_inputs=False, keep=x), "only_inputs arg")]:
+        with pytest.warns(FutureWarning, match=match) as caught:
+            call()
+        assert [os.path.basename(c.filename) for c in caught if c.category is FutureWarning] == [
+            os.path.basename(__file__)]
+    both = pytest.raises(RuntimeError, match="arguments both passed to `backward\\(\\)`")
+    with both, pytest.warns(FutureWarning):
+        gp.backward((x * x).sum(), torch.tensor(1.0), grad_variables=torch.tensor(1.0))

@@ -26,9 +26,9 @@ def _heads_with_metrics_held():
     return probs, confidence, losses
 
 
-def _record(fn):
+def _record(fn, action="default"):
     with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("default")
+        warnings.simplefilter(action)
         fn()
     return [w for w in caught if issubclass(w.category, gp.GraphPruneWarning)]
 
@@ -225,6 +225,22 @@ def test_keep_made_only_of_leaves_warns_it_protects_nothing():
     caught = _record(lambda: gp.prune_after(y, keep=[w]))
     assert len(caught) == 1
     assert "keep= names only leaf tensors" in str(caught[0].message)
+
+
+def test_a_pruning_block_whose_keep_is_leaves_warns_once_as_it_is_entered():
+    """Each call the block routed warned again, as "graphprune.backward: keep=...", a
+    call the code never wrote; the block's entry had warned already."""
+    w = torch.ones(3, requires_grad=True)
+
+    def block():
+        with gp.pruning(keep=w):
+            for _ in range(2):  # two steps, each routed
+                with gp.track():
+                    loss = w.exp().sum()
+                loss.backward(retain_graph=True)
+
+    caught = _record(block, "always")
+    assert [str(c.message).split(":")[0] for c in caught] == ["graphprune.pruning"]
 
 
 @pytest.mark.parametrize("as_", ["edge", "node"])
