@@ -6,6 +6,7 @@ from __future__ import annotations
 import collections
 import functools
 import itertools
+import re
 import weakref
 from collections.abc import Iterable, Mapping
 
@@ -92,8 +93,11 @@ def as_outputs(
         if isinstance(t, GradientEdge):
             if not isinstance(t.node, Node):
                 raise TypeError(f"{call}: {name} is a GradientEdge to {type(t.node).__name__}, not to a node")
-            if not (leaves and is_accumulator(t.node)):
+            if not is_accumulator(t.node):
                 edges.append(t)
+            elif not leaves:  # as a leaf tensor is refused
+                raise ValueError(f"{call}: {name} is the gradient edge into a leaf's AccumulateGrad; there "
+                                 "is no graph behind it to prune")
             continue
         if not isinstance(t, torch.Tensor):
             raise TypeError(
@@ -979,10 +983,16 @@ class Release:
                 f"what a pass that has run no longer needs); if a later pass starts from it again, "
                 f"{where[0].lower()}{where[1:]}."
             )
+        several = _ENTRY.fullmatch(what) if name is not None and rank != _PENDING else None
+        if several is not None:  # MGDA, GradNorm: a pass through each loss, then one through their sum
+            where += f" (or keep={several[1]}, all of them, where a later pass runs through several: a sum)"
         return (
             f"The graph of {subject} reaches this node, and that call did not keep it{why}. "
             f"{where} if a later backward pass starts from it (keep= is a retain_graph for one subgraph)."
         )
+
+
+_ENTRY = re.compile(r"(.+)\[\d+\]")  # losses[2]: an entry of what the frames call losses
 
 
 def _made_under_a_tape(t: torch.Tensor, record) -> bool:

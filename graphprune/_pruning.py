@@ -159,7 +159,8 @@ def pruning(*, keep=None, history: int | None = 1000) -> Pruning:
         ``.plain`` count every one.
 
     Raises:
-        RuntimeError: the block is entered twice, or closed in another thread.
+        RuntimeError: the block is entered again while it is open, or closed in another
+            thread (a closed block may be entered again).
         TypeError, ValueError: ``keep`` is no tensor or node, or needs no grad (raised
             when the block is entered); ``history`` is no int (``TypeError``) or is not
             positive (``ValueError``).

@@ -38,7 +38,9 @@ def test_bad_output_argument_is_named(call, bad, error, match):
 @pytest.mark.parametrize("call", [gp.prune_after, gp.explain])
 @pytest.mark.parametrize(
     "bad, error, match",
-    [(torch.ones(3, requires_grad=True), ValueError, r"leaf"), ([], ValueError, r"is empty")],
+    [(torch.ones(3, requires_grad=True), ValueError, r"leaf"), ([], ValueError, r"is empty"),
+     (torch.autograd.graph.get_gradient_edge(torch.ones(3, requires_grad=True)), ValueError,
+      r"y is the gradient edge into a leaf's AccumulateGrad; there is no graph behind it")],
 )
 def test_prune_of_a_leaf_or_of_nothing_is_refused(call, bad, error, match):
     # no pass ran: there is nothing to prune (gp.backward runs torch's pass on them)
@@ -449,3 +451,16 @@ def test_a_warning_made_an_error_leaves_its_call_as_last_report():
         with pytest.raises(gp.GraphPruneWarning):
             gp.backward(losses[0])
     assert gp.last_report() is not before and gp.last_report().call == "graphprune.backward"
+
+
+def test_the_hint_for_an_entry_of_a_list_of_losses_names_the_list_too():
+    """MGDA under pruning(): a pass per loss, then one through their weighted sum; the
+    hint named one loss at a time (keep=losses[2], then keep=losses[1])."""
+    w = torch.ones(3, requires_grad=True)
+    with gp.track():
+        x = w.exp()
+        losses = [(x * x).sum(), x.sin().sum()]
+    [gp.grad(loss, w) for loss in losses]  # no loop variable that names the last one
+    hint = r"Pass keep=losses\[\d\] to that call \(or keep=losses, all of them, where a later pass"
+    with pytest.raises(gp.ReleasedTensorError, match=hint):
+        (0.5 * losses[0] + 0.5 * losses[1]).backward()
