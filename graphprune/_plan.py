@@ -296,10 +296,10 @@ class Plan:
         if roots and self._trunk_walk is None and not _meet(self.reach, self.protected):
             warn_at_caller(
                 f"{_as_written(call, routed)}: keep= reaches no node of the graph of {self._what()}, its "
-                "parameters aside, so it "
-                "protects nothing this call releases (a tensor of another forward's graph, an earlier "
-                "batch's, or one whose graph an earlier prune released). Name the tensor a later "
-                "backward pass starts from, or the intermediate it is built on (the trunk's output x).",
+                "parameters aside, so it protects nothing this call releases (a tensor of another "
+                "forward's graph, an earlier batch's, or one whose graph an earlier prune released). Name "
+                "the tensor a later backward pass starts from, or the intermediate it is built on (the "
+                "trunk's output x).",
                 f"{call}: keep= reaches nothing",  # the text names y's shape: batches differ
             )
         # a pass ran from each output: it is finished unless keep= (or a guard) names it as

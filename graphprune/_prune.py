@@ -317,9 +317,8 @@ def grad(
                        category=FutureWarning)
         only_inputs = True
     outputs = listed(outputs)
-    if not isinstance(inputs, (torch.Tensor, GradientEdge, Sequence, dict)):
-        inputs = list(inputs_of_a_pass(inputs, call))  # a generator (model.parameters()): the pass and
-        # the plan both read it
+    if not isinstance(inputs, (torch.Tensor, GradientEdge, Sequence, dict)):  # model.parameters():
+        inputs = list(inputs_of_a_pass(inputs, call))  # the pass and the plan both read it
 
     def pass_fn(retain: bool):
         return torch.autograd.grad(
