@@ -158,11 +158,13 @@ def model(y, keep, report: PruneReport) -> nx.DiGraph:
     g = nx.DiGraph()
     order = _walk(fns)
     starts = [n for n in order if id(n) in report.output_ids]
-    in_call = {id(n) for n in _walk(starts)} if starts else None  # None: a report that does not say
+    # the call's part as its prune walked it, routing too: a stack's entry reaches one head, not every head
+    in_call = {id(n) for n in reach(starts)} if starts else None  # None: a report that does not say
     for node in order:
         handles, kind = saved(node)
         live = [h for h in handles if h.tensor is not None]
-        state, reason = _state(node, kind, report, reason_of, routed, in_call)
+        state, reason = _state(node, kind, report, reason_of, routed, in_call,
+                               any(h.tensor.dtype is not torch.bool for h in live))
         if state == "release" and live and id(node) not in report.released_ids and all(
                 h.tensor.dtype is torch.bool for h in live):
             state = "masks"  # kept by every prune: NOTE [ Masks stay ] in _zero.py
@@ -195,7 +197,7 @@ def _walk(roots) -> list:
 
 
 def _state(node, kind: str, report: PruneReport, reason_of: dict, routed: set,
-           in_call: set | None) -> tuple[str, int | None]:
+           in_call: set | None, holds: bool) -> tuple[str, int | None]:
     nid = id(node)
     if nid in report.released_ids:
         return "release", None
@@ -209,8 +211,8 @@ def _state(node, kind: str, report: PruneReport, reason_of: dict, routed: set,
         return "released", None
     if nid not in routed:
         return "offroute", None
-    if in_call is not None and nid not in in_call:
-        return "outside", None
+    if in_call is not None and nid not in in_call or holds:  # holds: not released, not kept, so the
+        return "outside", None  # call left it alone (its outputs are entries of y, above the graph drawn)
     return "release", None  # in the branch, with nothing saved
 
 

@@ -3,6 +3,7 @@ from the .dot and .svg files it writes."""
 
 from __future__ import annotations
 
+import collections
 import re
 import warnings
 import xml.etree.ElementTree as ET
@@ -292,3 +293,27 @@ def test_a_node_that_saved_only_a_mask_is_drawn_kept(tmp_path):
     gp.prune_after(y, keep=x)
     node = y.grad_fn.next_functions[0][0]
     assert node._raw_saved_condition.data.tensor is not None  # kept, as drawn
+
+
+def test_a_report_of_one_stacked_loss_drawn_on_the_stack_leaves_the_other_heads_outside(tmp_path):
+    """Heads the call left alone, their tensors held, were drawn "released by this call":
+    the call's part was walked along every edge from its output (``ls[0]``), which below
+    the stack is every head; drawn on ``ls``, whose graph has not ``ls[0]``'s node in it,
+    it was not walked at all."""
+    w = torch.randn(64, requires_grad=True)
+    with gp.track():
+        x = w.exp()
+        ls = torch.stack([x.sin().tanh().sum(), x.cos().tanh().sum()])
+        entries = [ls[0], ls[1]]
+    report = gp.backward(entries[0])
+    path = tmp_path / "stack.dot"
+    gp.render(ls, report=report, path=str(path), collapse=False)
+    nodes, _, _ = parse_dot(path)
+    boxes = sorted((a["label"], a["class"]) for a in nodes.values())
+    assert ("CosBackward0\n256 B", "outside") in boxes and ("TanhBackward0\n256 B", "outside") in boxes
+    assert [label for label, state in boxes if state == "release" and label.endswith(" B")] == []
+    assert report.released_nodes == {"SinBackward0": 1, "TanhBackward0": 1}
+    gp.render(entries, report=report, path=str(path), collapse=False)  # the call's output drawn
+    nodes, _, _ = parse_dot(path)
+    states = collections.Counter((a["label"].split("\n")[-1], a["class"]) for a in nodes.values())
+    assert states[("SumBackward0", "release")] == states[("SumBackward0", "outside")] == 1  # head 0's, 1's
