@@ -19,7 +19,8 @@ from collections.abc import Sequence
 import torch
 from torch import nn
 
-from . import PruneReport, backward, grad, last_report  # public names only: the core moves under them
+from . import PruneReport, backward, grad, last_report  # public names, but for the graph's walk
+from ._graph import is_accumulator, walk
 
 __all__ = ["backward_each"]
 
@@ -62,6 +63,11 @@ def backward_each(model: nn.Module, losses: Sequence[torch.Tensor], grad_tensors
     3. Parameters no loss reaches get no hook, as in a plain single pass: with
        ``find_unused_parameters=True`` DDP handles them (they must be unused in the
        forward's outputs too), without it DDP raises its usual error.
+    4. The earlier passes' ``inputs`` are every leaf the losses' graphs reach that
+       requires grad, the model's parameters and any other (a learned loss weight kept
+       outside the wrapper: uncertainty weighting), so each gets its gradient from every
+       loss. A reentrant ``checkpoint`` in the graph is refused: ``autograd.grad`` does
+       not run its region for the parameters inside, whose gradients would be lost.
 
     On 2 shared CPU cores with gloo (``python -m benchmarks.ddp_overlap``) plain DDP
     hides none of its all-reduce either, and a step takes what the manual pattern's
@@ -222,7 +228,17 @@ def _check_grad_tensors(grad_tensors, count: int) -> list:
 
 def _ddp_passes(ddp, losses, grad_tensors, keep) -> list[PruneReport]:
     """NOTE [ DDP: the last pass covers every parameter once ]"""
-    params = [p for p in ddp.module.parameters() if p.requires_grad]
+    params = {id(p): p for p in ddp.module.parameters() if p.requires_grad}
+    for node in walk([loss.grad_fn for loss in losses[:-1]]):  # 4. of the NOTE: the other leaves too
+        if node.name().endswith("CheckpointFunctionBackward"):
+            raise ValueError(
+                f"{_CALL}: the graph has a reentrant checkpoint (checkpoint(..., use_reentrant=True)), "
+                "whose region torch.autograd.grad, every pass but the last, does not run for the "
+                "parameters inside: their gradients from the earlier losses would be lost. Use "
+                "checkpoint(..., use_reentrant=False).")
+        if is_accumulator(node) and node.variable.requires_grad:
+            params.setdefault(id(node.variable), node.variable)
+    params = list(params.values())
     reports, reached = [], {}
     for loss, gt in zip(losses[:-1], grad_tensors[:-1]):
         grads = grad(loss, params, gt, allow_unused=True, keep=keep)
@@ -230,10 +246,11 @@ def _ddp_passes(ddp, losses, grad_tensors, keep) -> list[PruneReport]:
         for p, g in zip(params, grads):
             if g is not None:
                 _accumulate(p, g)
-                reached[id(p)] = p
+                reached[id(p)] = p, g.sparse_dim() if g.layout is torch.sparse_coo else None
     roots, root_grads = [losses[-1]], [grad_tensors[-1]]
     if reached:
-        roots.append(_ZeroGradients.apply(*reached.values()))
+        sparse_dims = tuple(dims for _, dims in reached.values())
+        roots.append(_ZeroGradients.apply(sparse_dims, *(p for p, _ in reached.values())))
         root_grads.append(None)
     reports.append(backward(roots, root_grads, keep=keep))
     return reports
@@ -242,7 +259,9 @@ def _ddp_passes(ddp, losses, grad_tensors, keep) -> list[PruneReport]:
 def _accumulate(p: torch.Tensor, g: torch.Tensor) -> None:
     """``p.grad += g`` as ``AccumulateGrad`` does it: take ``g`` when it is a tensor of
     its own laid out like ``p``, else copy it into one."""
-    if p.grad is not None:
+    if g.layout is not torch.strided:  # a sparse embedding's: summed as AccumulateGrad sums them
+        p.grad = g if p.grad is None else p.grad + g
+    elif p.grad is not None:
         p.grad.add_(g)
     elif g._base is None and g.stride() == p.stride() and g.storage_offset() == 0:
         p.grad = g
@@ -252,17 +271,22 @@ def _accumulate(p: torch.Tensor, g: torch.Tensor) -> None:
 
 class _ZeroGradients(torch.autograd.Function):
     """A scalar root whose backward sends an all-zero gradient to each input: one pass
-    from it runs each input's ``AccumulateGrad`` (and DDP's hook on it) once."""
+    from it runs each input's ``AccumulateGrad`` (and DDP's hook on it) once. An input
+    whose gradients are sparse (``nn.Embedding(sparse=True)``: ``sparse_dims`` says how
+    many sparse dims, else ``None``) gets a sparse zero, which DDP expects of it."""
 
     @staticmethod
-    def forward(ctx, *params):
-        ctx.meta = [(p.shape, p.dtype, p.device) for p in params]
+    def forward(ctx, sparse_dims, *params):
+        ctx.meta = [(p.shape, p.dtype, p.device, dims) for p, dims in zip(params, sparse_dims)]
         return torch.zeros(())
 
     @staticmethod
     def backward(ctx, _):
-        return tuple(torch.zeros((), dtype=dtype, device=device).expand(shape)
-                     for shape, dtype, device in ctx.meta)
+        return (None, *(torch.zeros((), dtype=dtype, device=device).expand(shape) if dims is None else
+                        torch.sparse_coo_tensor(torch.empty((dims, 0), dtype=torch.long, device=device),
+                                                torch.empty((0, *shape[dims:]), dtype=dtype, device=device),
+                                                shape, check_invariants=True)  # empty: nothing to check
+                        for shape, dtype, device, dims in ctx.meta))
 
 
 def _fsdp_passes(model, losses, grad_tensors, keep) -> list[PruneReport]:

@@ -182,3 +182,75 @@ def test_accumulate_takes_a_gradient_laid_out_like_the_parameter_and_copies_othe
     gpd._accumulate(r, flat[3:])  # a view of a larger buffer: not kept alive through .grad
     assert r.grad._base is None and r.grad.tolist() == [3.0, 4.0, 5.0]
 
+
+
+def _trunk_and_heads(embedding: bool = False):
+    torch.manual_seed(0)
+    trunk = nn.EmbeddingBag(10, 4, sparse=True, mode="sum") if embedding else nn.Linear(4, 8)
+    width = 4 if embedding else 8
+    return nn.ModuleDict(dict(trunk=trunk, head1=nn.Linear(width, 1), head2=nn.Linear(width, 1)))
+
+
+def _two_losses(m, x):
+    feat = m["trunk"](x).tanh()
+    return [m["head1"](feat).square().mean(), m["head2"](feat).exp().mean()]
+
+
+def test_a_leaf_outside_the_wrapper_gets_the_gradient_of_every_loss(one_rank_group):
+    """NOTE [ DDP: the last pass covers every parameter once ], 4.: uncertainty weighting's
+    log-variances, kept outside DDP, got only the last loss's gradient (the earlier passes
+    asked autograd.grad for the wrapper's parameters only)."""
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    model, x = _trunk_and_heads(), torch.randn(5, 4)
+    reference = copy.deepcopy(model)
+    log_var, log_var_ref = torch.zeros(2, requires_grad=True), torch.zeros(2, requires_grad=True)
+
+    def weighted(losses, s):
+        return [loss * torch.exp(-s[i]) + s[i] for i, loss in enumerate(losses)]
+
+    sum(weighted(_two_losses(reference, x), log_var_ref)).backward()
+    ddp = DDP(model)
+    with gp.track():
+        losses = weighted(_two_losses(ddp.module, x), log_var)
+    gpd.backward_each(ddp, losses)
+    torch.testing.assert_close(log_var.grad, log_var_ref.grad)
+    for p, q in zip(model.parameters(), reference.parameters()):
+        torch.testing.assert_close(p.grad, q.grad)
+    del ddp
+
+
+def test_a_reentrant_checkpoint_is_refused_before_any_pass(one_rank_group):
+    # autograd.grad does not run its region for the parameters inside: their gradients from
+    # the earlier losses were lost, in silence
+    from torch.nn.parallel import DistributedDataParallel as DDP
+    from torch.utils.checkpoint import checkpoint
+
+    model = _trunk_and_heads()
+    ddp = DDP(model)
+    with gp.track():
+        feat = checkpoint(model["trunk"], torch.randn(5, 4, requires_grad=True), use_reentrant=True).tanh()
+        losses = [model["head1"](feat).square().mean(), model["head2"](feat).exp().mean()]
+    with pytest.raises(ValueError, match=r"reentrant checkpoint .* use_reentrant=False\)"):
+        gpd.backward_each(ddp, losses)
+    assert all(p.grad is None for p in model.parameters())
+    del ddp
+
+
+def test_a_sparse_embedding_s_gradients_are_summed_and_synchronised(one_rank_group):
+    # the earlier pass's sparse gradient was copied into a dense tensor (copy_ raised), and
+    # the zero root gave DDP a dense gradient for a parameter whose gradients are sparse
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    model, x = _trunk_and_heads(embedding=True), torch.randint(0, 10, (5, 3))
+    reference = copy.deepcopy(model)
+    sum(_two_losses(reference, x)).backward()
+    ddp = DDP(model)
+    for _ in range(2):  # the second step would raise if the first one's reduction had not finished
+        model.zero_grad(set_to_none=True)
+        with gp.track():
+            losses = _two_losses(ddp.module, x)
+        gpd.backward_each(ddp, losses)
+        for p, q in zip(model.parameters(), reference.parameters()):
+            torch.testing.assert_close(p.grad.to_dense(), q.grad.to_dense())
+    del ddp
