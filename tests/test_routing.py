@@ -69,6 +69,21 @@ def _per_task_grads(w, heads, inp, gather, pick, use_gp, keep=None):
     return grads, reports
 
 
+def _pass_per_entry(w, entries, use_gp):
+    """``w``'s gradient from each entry's pass in turn (``gp.backward``'s, or a plain
+    retaining one), and ``gp.backward``'s reports; ``entries`` may be a generator that
+    makes each entry just before its pass (``losses[i].backward()``)."""
+    grads, reports = [], []
+    for entry in entries:
+        w.grad = None
+        if use_gp:
+            reports.append(gp.backward(entry))
+        else:
+            entry.backward(retain_graph=True)
+        grads.append(w.grad.clone())
+    return grads, reports
+
+
 @pytest.mark.parametrize("gather", ["stack", "cat", "assign"])
 @pytest.mark.parametrize("pick", ["index", "unbind", "split", "slice"])
 def test_stacked_losses_free_one_head_per_pass_by_default(gather, pick):
@@ -233,15 +248,7 @@ def test_a_stack_written_into_a_slice_routes_each_entry_to_its_head(key):
             first = torch.stack(ls[:2])
             losses[key] = first  # losses[0:2] or losses[::2]
             losses[slice(1, 4, 2) if key.step else slice(2, 4)] = torch.stack(ls[2:])
-        grads, reports = [], []
-        for i in range(4):
-            w.grad = None
-            if use_gp:
-                reports.append(gp.backward(losses[i]))
-            else:
-                losses[i].backward(retain_graph=True)
-            grads.append(w.grad.clone())
-        return grads, reports
+        return _pass_per_entry(w, (losses[i] for i in range(4)), use_gp)
 
     expected, _ = run(False)
     got, reports = run(True)
@@ -364,15 +371,7 @@ def test_entries_assigned_into_a_view_of_a_buffer_protect_the_later_passes(way):
             losses = _buffer_view(way, len(heads))
             for i, h in enumerate(heads):
                 losses[i] = ((x @ h).sin() ** 2).mean()
-        grads, reports = [], []
-        for i in range(len(heads)):
-            w.grad = None
-            if use_gp:
-                reports.append(gp.backward(losses[i]))
-            else:
-                losses[i].backward(retain_graph=True)
-            grads.append(w.grad.clone())
-        return grads, reports
+        return _pass_per_entry(w, (losses[i] for i in range(len(heads))), use_gp)
 
     want, _ = per_task(False)
     got, reports = per_task(True)
@@ -392,12 +391,7 @@ def test_entries_of_a_reweighted_stack_held_live_protect_the_later_passes():
         with gp.track():
             L = _losses(w, heads, inp, "stack") * weights
             entries = [L[i] for i in range(len(heads))]
-        grads = []
-        for e in entries:
-            w.grad = None
-            gp.backward(e) if use_gp else e.backward(retain_graph=True)
-            grads.append(w.grad.clone())
-        return grads
+        return _pass_per_entry(w, entries, use_gp)[0]
 
     for a, b in zip(per_task(True), per_task(False)):
         assert_close(a, b)
