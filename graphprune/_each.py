@@ -159,8 +159,7 @@ def _backward_each(losses, keep, strategy: str, notes: _Notes) -> list[PruneRepo
             heads = _heads(items, call, cut=False)
     if strategy == "passes":
         reports = [report for _, report in _whole_passes(
-            call, heads, len(items), keep, lambda loss: torch.autograd.backward(loss, retain_graph=True),
-            lazy, notes)]
+            call, heads, len(items), keep, _whole_pass, lazy, notes)]
         text = f"passes: {len(items)} whole pass(es), the trunk freed by the last"
         if hooked:
             text += (" (a hook below the cut, or a tensor at it that retains its grad: the cut would "
@@ -191,9 +190,8 @@ def _backward_each(losses, keep, strategy: str, notes: _Notes) -> list[PruneRepo
                 whole += 1
                 head.lower = set()
                 ran.append(head)  # for the trunk's release: what only it reaches goes with the rest
-                _, report = _pass(call, [head.loss], keep, head.guards,
-                                  lambda head=head: torch.autograd.backward(head.loss, retain_graph=True),
-                                  notes=notes, lazy=lazy)
+                run = functools.partial(_whole_pass, head.loss)
+                _, report = _pass(call, [head.loss], keep, head.guards, run, notes=notes, lazy=lazy)
                 reports.append(report)
                 continue
             got, report = _pass(call, [head.loss], keep, head.guards, functools.partial(_to_the_cut, head),
@@ -224,11 +222,18 @@ def _backward_each(losses, keep, strategy: str, notes: _Notes) -> list[PruneRepo
             _label_last(reports, f"cut: {len(items)} head pass(es), no trunk pass to run once{why}")
         return reports
     cut.clear()
-    _, report = _pass(call, None, keep, (), lambda: torch.autograd.backward(edges, grads, retain_graph=True),
+    _, report = _pass(call, None, keep, (),
+                      lambda retain: torch.autograd.backward(edges, grads, retain_graph=retain),
                       edges=edges + below, notes=notes, last=True)
     text = f"cut: {len(items)} head pass(es), then the trunk once from {len(edges)} edge(s){why}"
     reports.append(_relabel(report, text))
     return reports
+
+
+def _whole_pass(loss: torch.Tensor, retain: bool = True) -> None:
+    """A loss's whole pass, retaining the graph but for the last that meets a cycle
+    (NOTE [ Outputs saved as they are ] in ``_plan.py``)."""
+    torch.autograd.backward(loss, retain_graph=retain)
 
 
 def _label_last(reports: list, strategy: str) -> None:
@@ -304,22 +309,22 @@ def grads_each(losses, inputs, *, keep=None, allow_unused: bool | None = None,
 
     index = itertools.count()  # the pass running: the loss it is of
 
-    def run(loss):
+    def run(loss, retain=True):
         i = next(index)
         try:
-            return row_of(loss)
+            return row_of(loss, retain)
         except RuntimeError as e:  # torch's unused-input error says which input, not which loss
             if "appears to not have been used in the graph" not in str(e):
                 raise
             before = f" The passes of losses[:{i}] ran, each releasing its head." if i else ""
             raise RuntimeError(f"{call}: losses[{i}]: {e}{before}") from e
 
-    def row_of(loss):
+    def row_of(loss, retain):
         if not extra:
-            return torch.autograd.grad(loss, inputs, retain_graph=True, allow_unused=allow_unused,
+            return torch.autograd.grad(loss, inputs, retain_graph=retain, allow_unused=allow_unused,
                                        materialize_grads=materialize_grads)
         with _accumulating(extra):  # NOTE [ Leaves accumulated as they arrive ]
-            got = torch.autograd.grad(loss, wanted + extra, retain_graph=True, allow_unused=True)
+            got = torch.autograd.grad(loss, wanted + extra, retain_graph=retain, allow_unused=True)
         row = got[:len(wanted)]
         del got
         unused = [i for i, g in enumerate(row) if g is None]
@@ -443,13 +448,13 @@ def _add(cut: dict, edge: GradientEdge, g: torch.Tensor) -> None:
         cut[key] = (held[0] + g, True)
 
 
-def _to_the_cut(head: _Head) -> tuple:
+def _to_the_cut(head: _Head, retain: bool = True) -> tuple:
     """A head's pass down to its cut (NOTE [ Where a head's pass stops ]): the
     gradients that arrive at its cut edges, after the hooks of the tensors there, and
     the leaves its upper part feeds accumulated into ``.grad`` as a plain pass does."""
     if head.stop == "capture":
         with _accumulating(head.leaves):
-            got = torch.autograd.grad(head.loss, [*head.cut, *head.leaves], retain_graph=True,
+            got = torch.autograd.grad(head.loss, [*head.cut, *head.leaves], retain_graph=retain,
                                       allow_unused=True)
         return got[:len(head.cut)]
     captured: dict = {}
@@ -458,7 +463,7 @@ def _to_the_cut(head: _Head) -> tuple:
     hooks += [edge.node.register_prehook(functools.partial(_capture, captured, edge.node, task))
               for edge in {e.node: e for e in head.cut}.values()]
     try:
-        torch.autograd.backward(head.loss, inputs=[*head.leaves, *head.cut], retain_graph=True)
+        torch.autograd.backward(head.loss, inputs=[*head.leaves, *head.cut], retain_graph=retain)
     finally:
         for hook in hooks:
             hook.remove()
@@ -527,15 +532,18 @@ def _accumulate_now(leaf: torch.Tensor, grad: torch.Tensor):
 
 def _pass(call: str, outputs, keep, guards, run, edges=(), notes=None, lazy: bool = False,
           last: bool = False):
-    """``run()`` under a plan that frees what it passes through, and the report;
+    """``run(retain)`` under a plan that frees what it passes through, and the report;
     ``notes`` (:class:`_Notes`) takes the plan's warning (``last``: the call's last pass,
-    which frees the trunk). ``lazy``: the head a callable
+    which frees the trunk, and does not retain the graph if it meets a cycle that only
+    such a pass breaks: NOTE [ Outputs saved as they are ] in ``_plan.py``; the others
+    retain it). ``lazy``: the head a callable
     built, whose release a later head's pass may meet (a feature one callable memoised
     for the next), which ``keep=`` cannot name: the error says what to do instead."""
     plan = Plan(call, outputs, keep, arg="losses", guards=guards, edges=edges)
     if lazy:
         plan.reason.note = _LAZY_NOTE.format(call=call)
-    result = plan.run(run)
+    retain = not (last and plan.holds_a_cycle())
+    result = plan.run(functools.partial(run, retain), retains=retain)
     if notes is not None:
         notes.take(plan, call, last)
     return result, _remember(plan.report(call, dry_run=False))
@@ -555,7 +563,7 @@ def _whole_passes(call: str, heads, count: int, keep, run, lazy: bool, notes: _N
             continue
         guards = [*head.guards, *below] if i < count - 1 else below
         losses.append(head.loss)
-        out.append(_pass(call, [head.loss], keep, guards, lambda head=head: run(head.loss), notes=notes,
+        out.append(_pass(call, [head.loss], keep, guards, functools.partial(run, head.loss), notes=notes,
                          lazy=lazy and i < count - 1, last=i == count - 1))  # the last frees the trunk too
     if lazy and losses:
         plan = Plan(call, losses, keep, arg="losses", guards=below)

@@ -52,7 +52,7 @@ if TYPE_CHECKING:
 __all__ = [
     "LOCK", "TRACKED", "FOREIGN", "UNTRACKED", "NOTHING_SAVED", "children", "saved", "saved_attributes",
     "saves_nothing", "saves_one", "is_accumulator",
-    "live_handles", "reach", "walk",
+    "live_handles", "saves_its_output", "was_freed", "reach", "walk",
     "name", "attach_hidden",
 ]
 
@@ -324,6 +324,56 @@ def saved_attributes(node_type: type) -> tuple[str, ...]:
 
 def live_handles(node) -> list[SavedHandle]:
     return [h for h in saved(node)[0] if h.tensor is not None]
+
+
+def saves_its_output(node) -> bool:
+    """Whether other saved-tensor hooks packed an output of ``node`` as it is: the
+    output holds ``node`` as its ``grad_fn`` (NOTE [ Outputs saved as they are ] in
+    ``_plan.py``). Read for the nodes graphprune does not hold, after a plan.
+
+    Example::
+
+        >>> import torch
+        >>> x = torch.ones(2, requires_grad=True)
+        >>> with torch.autograd.graph.saved_tensors_hooks(lambda t: t, lambda t: t):
+        ...     y = x.exp()
+        >>> saves_its_output(y.grad_fn), saves_its_output(x.sin().grad_fn)
+        (True, False)
+    """
+    for attr in saved_attributes(type(node)):
+        if attr is STRAYS:
+            continue
+        try:
+            value = getattr(node, attr)
+        except RuntimeError:  # a custom Function's saved tensors, freed by a pass
+            continue
+        for saved_tensor in (value,) if type(value) is _SavedTensor else value:
+            if saved_tensor is None:
+                continue
+            packed = saved_tensor.data
+            for t in packed if type(packed) in (tuple, list) else (packed,):  # save_on_cpu: (device, t)
+                try:
+                    if isinstance(t, torch.Tensor) and t.grad_fn is node:
+                        return True
+                except RuntimeError:  # a view made under no_grad and modified in place
+                    continue
+    return False
+
+
+def was_freed(node) -> bool:
+    """Whether a pass that did not retain the graph ran ``node``, which held what
+    other hooks or PyTorch saved: nothing of it is left to read."""
+    for attr in saved_attributes(type(node)):
+        if attr is STRAYS:
+            continue
+        try:
+            value = getattr(node, attr)
+        except RuntimeError:  # a custom Function's saved tensors, freed
+            return True
+        values = (value,) if type(value) is _SavedTensor else value
+        if any(v is not None and v.data is not None for v in values):
+            return False
+    return True
 
 
 def _maybe_wrapped_number(t: torch.Tensor) -> bool:

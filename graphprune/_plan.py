@@ -27,8 +27,10 @@ from ._graph import (
     name,
     reach,
     saved,
+    saves_its_output,
     saves_nothing,
     saves_one,
+    was_freed,
 )
 from ._marks import FINISHED, RELEASED, is_hooked, marking_released, node_name
 from ._report import (
@@ -214,6 +216,22 @@ def input_guards(inputs) -> list[tuple[Node, int, str]]:
 # which add, count and iterate in Python.
 
 
+# NOTE [ Outputs saved as they are ]
+# Other saved-tensor hooks inside the block that pack a tensor as it is (an identity or
+# logging ``saved_tensors_hooks``, ``save_on_cpu`` of a CPU tensor, whose ``.cpu()`` is
+# the tensor itself) make a node that saves its output hold that output, which holds the
+# node as its ``grad_fn``: a reference cycle through C++, which Python's collector does
+# not see and only a pass that does not retain the graph breaks (it frees what a node
+# saved as it runs it). graphprune's passes retain the graph, so a step whose last pass
+# was graphprune's kept those tensors for good (15.6 MiB a step in a review's script,
+# where ``l2.backward()`` freed them). So a pass whose plan protects nothing (no later
+# loss, no ``keep=``, no guard) and meets such a node runs as ``loss.backward()`` does,
+# without retaining the graph: it frees what it runs, what other hooks and PyTorch held
+# included, and its report lists those nodes as released. A pass that protects something
+# keeps them, and a cycle in a branch no later pass runs stays, as it does after plain
+# PyTorch's ``l1.backward(retain_graph=True); l2.backward()``.
+
+
 class Plan:
     """The partition of the graph behind ``outputs`` into kept and released nodes.
 
@@ -235,6 +253,8 @@ class Plan:
     ``edges`` are ``GradientEdge`` roots besides ``outputs`` (the per-loss helpers'
     passes: a head down to where it meets the trunk, the trunk from there).
     """
+
+    _freed = False  # a pass that did not retain the graph freed nodes graphprune does not hold
 
     @walks
     def __init__(self, call: str, outputs, keep, arg: str = "y", extra=(), guards=(), edges=(),
@@ -324,6 +344,7 @@ class Plan:
         order = sorted({**kept_nodes, **(trunk.counts if trunk else {})}, key=_reason_rank)
         self._kinds = part.kinds | (trunk.kinds if trunk else set())
         foreign = kept_nodes.get(_FOREIGN_REASON, []) + (trunk.foreign if trunk else [])
+        self._elsewhere = foreign + kept_nodes.get(_UNTRACKED_REASON, [])  # what graphprune does not hold
         inputs = inputs_of(foreign) if foreign else None  # NOTE [ What a checkpointed region keeps ]
         trunk_leaves = trunk.leaves() if trunk else {}
         owned = _graph_owned([kept_by.values(), by_node.values(), trunk_leaves.values(),
@@ -421,7 +442,7 @@ class Plan:
     def untracked_warning(self, call: str) -> tuple[str, str] | None:
         """``(message, kind)`` where this call releases nothing because its graph was
         built outside ``track()``, or ``None``."""
-        if self.handles_by_node or TRACKED in self._kinds or UNTRACKED not in self._kinds:
+        if self.handles_by_node or TRACKED in self._kinds or UNTRACKED not in self._kinds or self._freed:
             return None
         return (
             f"{call}: nothing can be released: the graph of {self._what()} was built outside "
@@ -535,9 +556,11 @@ class Plan:
             release = functools.partial(_release_after_run, live, self.reason, task)
             self._hooks.append(node.register_hook(release))
 
-    def run(self, pass_fn, ran_only: bool = False):
+    def run(self, pass_fn, ran_only: bool = False, retains: bool = True):
         """``pass_fn()`` with the plan armed, then released (``ran_only``: as
-        :meth:`release`); if it raises, abandoned. Returns what it returned."""
+        :meth:`release`); if it raises, abandoned. Returns what it returned.
+        ``retains=False``: the pass does not retain the graph, so what it freed of other
+        hooks' and PyTorch's is the call's release, not kept (:meth:`_freed_by_the_pass`)."""
         self.arm()
         try:
             result = pass_fn()
@@ -545,7 +568,37 @@ class Plan:
             self.abandon()
             raise
         self.release(ran_only=ran_only)
+        if not retains:
+            self._freed_by_the_pass()
         return result
+
+    def holds_a_cycle(self) -> bool:
+        """Whether the plan protects nothing and a node that other hooks hold saved its
+        own output as it is: its pass should not retain the graph (NOTE [ Outputs saved
+        as they are ])."""
+        return not self.protected and self._trunk_walk is None and any(map(saves_its_output, self._elsewhere))
+
+    def _freed_by_the_pass(self) -> None:
+        """The nodes graphprune does not hold that a pass without ``retain_graph`` ran:
+        PyTorch freed what they saved, so the report lists them as released, not kept
+        (their bytes unmeasured, as they were)."""
+        freed = [node for node in self._elsewhere if was_freed(node)]
+        if not freed:
+            return
+        self._freed = True  # its pass released what it was for: no warning that it could not
+        ids = frozenset(map(id, freed))
+        kept = []
+        for r in self.report_args["kept"]:
+            if r.node_ids & ids:
+                left = r.node_ids - ids
+                if not left:
+                    continue
+                r = KeptReason(r.reason, len(left), r.saved_bytes, left)
+            kept.append(r)
+        names = collections.Counter(self.report_args["released_nodes"])
+        names.update(name(node) for node in freed)
+        self.report_args = dict(self.report_args, kept=tuple(kept), released_nodes=dict(names),
+                                released_ids=self.report_args["released_ids"] | ids)
 
     def _disarm(self) -> None:
         for hook in self._hooks:

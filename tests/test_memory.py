@@ -3,6 +3,7 @@
 import gc
 import weakref
 
+import pytest
 import torch
 
 import graphprune as gp
@@ -184,3 +185,116 @@ def test_a_closed_tape_keeps_no_record_of_the_intermediates_that_died():
     assert _outputs.output_of(h) is not None  # the live output is still known
     gp.prune_after(h.sum())  # and still protects nothing it should not: a plain prune
     del h
+
+
+# NOTE [ Outputs saved as they are ] in _plan.py: other hooks that pack a tensor as it is
+# make a node's saved output hold the node, a cycle only a pass that does not retain the
+# graph breaks; the collector cannot, so a weak reference to that output tells a leak.
+def _identity_hooks():
+    return torch.autograd.graph.saved_tensors_hooks(lambda t: t, lambda t: t)
+
+
+_OTHER_HOOKS = {"save_on_cpu": torch.autograd.graph.save_on_cpu, "identity hooks": _identity_hooks}
+
+
+def _step_under_other_hooks(hooks, passes):
+    """A trunk activation that ``hooks`` save as it is, two heads on it, the step's
+    ``passes``; a weak reference to the activation once the step's tensors are dropped,
+    and the weight's gradient."""
+    torch.manual_seed(0)
+    w, x = torch.randn(16, 16, requires_grad=True), torch.randn(8, 16)
+    with gp.track():
+        with _OTHER_HOOKS[hooks]():
+            h = torch.tanh(x @ w)  # TanhBackward0 saves its output: h itself
+        probe = weakref.ref(h)
+        l1, l2 = h.sin().mean(), (h * h).exp().mean()
+    del h
+    passes(w, l1, l2)
+    del l1, l2
+    gc.collect()
+    return probe, w.grad
+
+
+def _plain(w, l1, l2):
+    l1.backward(retain_graph=True)
+    l2.backward()
+
+
+def _routed(w, l1, l2):
+    with gp.pruning():
+        for loss in (l1, l2):
+            loss.backward(retain_graph=True)
+
+
+_LAST_PASSES = {
+    "gp.backward": lambda w, l1, l2: (gp.backward(l1), gp.backward(l2)),
+    "backward_each cut": lambda w, l1, l2: gp.backward_each([l1, l2]),
+    "backward_each passes": lambda w, l1, l2: gp.backward_each([l1, l2], strategy="passes"),
+    "pruning()": _routed,
+}
+
+
+@pytest.mark.parametrize("passes", list(_LAST_PASSES))
+@pytest.mark.parametrize("hooks", list(_OTHER_HOOKS))
+def test_a_last_pass_frees_what_other_hooks_saved_as_it_is(hooks, passes):
+    probe, grad = _step_under_other_hooks(hooks, _LAST_PASSES[passes])
+    plain_probe, expected = _step_under_other_hooks(hooks, _plain)
+    assert plain_probe() is None  # plain PyTorch's last pass breaks the cycle
+    assert probe() is None, "the step's last pass left a cycle that holds the activation"
+    torch.testing.assert_close(grad, expected)
+
+
+def test_grads_each_last_pass_frees_what_other_hooks_saved_as_it_is():
+    got, expected = [], []
+
+    def rows(w, l1, l2):
+        got.extend(gp.grads_each([l1, l2], [w]))
+
+    def plain_rows(w, l1, l2):
+        expected.extend([torch.autograd.grad(l1, [w], retain_graph=True), torch.autograd.grad(l2, [w])])
+
+    probe, _ = _step_under_other_hooks("save_on_cpu", rows)
+    _step_under_other_hooks("save_on_cpu", plain_rows)
+    assert probe() is None
+    torch.testing.assert_close(got, expected)
+
+
+def test_a_pass_that_protects_a_later_loss_keeps_what_other_hooks_saved_for_it():
+    def passes(w, l1, l2):
+        report = gp.backward(l1)  # l2 has not run: the region stays for its pass
+        assert any("other saved-tensor hooks" in k.reason for k in report.kept), report
+        l2.backward()
+
+    probe, grad = _step_under_other_hooks("save_on_cpu", passes)
+    _, expected = _step_under_other_hooks("save_on_cpu", _plain)
+    torch.testing.assert_close(grad, expected)
+    assert probe() is None
+
+
+def test_a_pass_that_frees_what_other_hooks_held_reports_it_released_not_kept():
+    w, x = torch.randn(4, 4, requires_grad=True), torch.randn(2, 4)
+    reports = []
+    for retain in (None, False):
+        with gp.track():
+            with torch.autograd.graph.save_on_cpu():
+                h = torch.tanh(x @ w)
+            loss = h.sin().sum()
+        del h
+        reports.append(gp.backward(loss, retain_graph=retain))
+    for report in reports:
+        assert report.kept == (), report  # the pass freed the region: nothing is kept
+        assert {"TanhBackward0", "MmBackward0", "SinBackward0"} <= set(report.released_nodes), report
+
+
+def test_a_graph_built_outside_track_stays_for_a_later_pass_when_no_cycle_asks_to_free_it():
+    # the trunk and one head built outside track(): graphprune cannot see that head, so it
+    # keeps what it did not build, and a pass without retain_graph is only for a cycle
+    w = torch.randn(4, requires_grad=True)
+    x = w.exp()
+    untracked = x.cos().sum()
+    with gp.track():
+        tracked = x.sin().sum()
+    report = gp.backward(tracked)
+    assert any("outside graphprune.track()" in k.reason for k in report.kept), report
+    untracked.backward()  # the trunk is still there
+    torch.testing.assert_close(w.grad, (w.exp().cos() - w.exp().sin()).detach() * w.exp().detach())
