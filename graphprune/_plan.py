@@ -222,14 +222,22 @@ def input_guards(inputs) -> list[tuple[Node, int, str]]:
 # the tensor itself) make a node that saves its output hold that output, which holds the
 # node as its ``grad_fn``: a reference cycle through C++, which Python's collector does
 # not see and only a pass that does not retain the graph breaks (it frees what a node
-# saved as it runs it). graphprune's passes retain the graph, so a step whose last pass
-# was graphprune's kept those tensors for good (15.6 MiB a step in a review's script,
-# where ``l2.backward()`` freed them). So a pass whose plan protects nothing (no later
-# loss, no ``keep=``, no guard) and meets such a node runs as ``loss.backward()`` does,
-# without retaining the graph: it frees what it runs, what other hooks and PyTorch held
-# included, and its report lists those nodes as released. A pass that protects something
-# keeps them, and a cycle in a branch no later pass runs stays, as it does after plain
-# PyTorch's ``l1.backward(retain_graph=True); l2.backward()``.
+# saved as it runs it). A pass that retains the graph keeps those tensors for good (15.6
+# MiB a step in a review's script, where ``l2.backward()`` freed them).
+# - The last pass of ``backward_each`` and ``grads_each`` frees the trunk, as
+#   ``sum(losses).backward()`` does: where its plan protects nothing that its graph
+#   reaches (no later loss, no ``keep=``, no guard) and it meets such a node, it does
+#   not retain the graph, and its report lists what it freed of other hooks' and
+#   PyTorch's as released.
+# - ``gp.backward``/``gp.grad`` retain it for what graphprune does not hold: a later
+#   loss it cannot see (made after the call, or outside ``track()``) may need it, and a
+#   pass without ``retain_graph`` would free it under that loss (a review found four
+#   such steps that worked, and broke when this pass freed them). So such a call warns,
+#   once per line, and ``retain_graph=False`` is what frees them. A call that
+#   ``pruning()`` routed was written ``retain_graph=True``: it keeps them, as that pass
+#   would, and the user's own last pass frees them.
+# Packings this does not see (a dict, a wrapper object, ``t.view_as(t)``) keep their
+# cycle without a word.
 
 
 class Plan:
@@ -446,8 +454,8 @@ class Plan:
             return None
         return (
             f"{call}: nothing can be released: the graph of {self._what()} was built outside "
-            "graphprune.track(), so PyTorch holds its saved tensors. Run the forward "
-            "inside `with graphprune.track():`.",
+            "graphprune.track() (or inside it under other saved-tensor hooks that pack a tensor as it "
+            "is), so PyTorch holds its saved tensors. Run the forward inside `with graphprune.track():`.",
             f"{call}: built outside track()",
         )
 
@@ -573,10 +581,27 @@ class Plan:
         return result
 
     def holds_a_cycle(self) -> bool:
-        """Whether the plan protects nothing and a node that other hooks hold saved its
-        own output as it is: its pass should not retain the graph (NOTE [ Outputs saved
-        as they are ])."""
-        return not self.protected and self._trunk_walk is None and any(map(saves_its_output, self._elsewhere))
+        """Whether a node that other hooks hold saved its own output as it is, and no
+        protected root reaches this plan's graph: a pass that retains it keeps that
+        node for good (NOTE [ Outputs saved as they are ])."""
+        return (bool(self._elsewhere) and self._trunk_walk is None and not _meet(self.reach, self.protected)
+                and any(map(saves_its_output, self._elsewhere)))
+
+    def cycle_warning(self, call: str) -> tuple[str, str] | None:
+        """``(message, kind)`` where this call's pass retained a graph that holds such a
+        cycle (:meth:`holds_a_cycle`), or ``None``."""
+        if not self.holds_a_cycle():
+            return None
+        count = sum(map(saves_its_output, self._elsewhere))
+        return (
+            f"{call}: other saved-tensor hooks saved the output of {count} node(s) of the graph of "
+            f"{self._what()} as it is (identity or logging hooks inside the block, save_on_cpu of a CPU "
+            "tensor): each holds its own grad_fn, a cycle that only a pass that does not retain the graph "
+            "breaks, and this pass retained it for what graphprune does not hold, so those tensors stay "
+            "alive after the step. If no later pass runs through them, end the step with "
+            f"{call}(..., retain_graph=False).",
+            f"{call}: outputs saved as they are",
+        )
 
     def _freed_by_the_pass(self) -> None:
         """The nodes graphprune does not hold that a pass without ``retain_graph`` ran:

@@ -64,8 +64,8 @@ _AGAIN = ("the outputs of a create_graph=True pass, for a later pass from them (
 def _pass_and_prune(call: str, outputs, arg: str, keep, retain_graph, create_graph: bool, pass_fn, made,
                     inputs=None):
     """Run ``pass_fn(retain)`` (a pass from ``outputs``; it retains the graph but for
-    ``retain_graph=False``, PyTorch's own pass, and a pass that protects nothing and
-    meets a cycle: NOTE [ Outputs saved as they are ]) and free the branch: as the pass goes,
+    ``retain_graph=False``, PyTorch's own pass; a cycle it retains warns: NOTE [ Outputs
+    saved as they are ] in ``_plan.py``) and free the branch: as the pass goes,
     or after it with ``create_graph=True`` (the gradients'
     graphs, ``made(result)``, lead back into the branch and are protected). With
     ``keep=None``, the graphs below ``inputs`` are protected too (``grad``'s: an
@@ -92,11 +92,13 @@ def _pass_and_prune(call: str, outputs, arg: str, keep, retain_graph, create_gra
     else:  # retain_graph=False is PyTorch's own pass, create_graph or not: it frees what it runs, all of it
         plain = retain_graph is False
         plan = Plan(call, roots, keep, arg=arg, guards=below, routed=routed)
-        retain = not plain and not plan.holds_a_cycle()  # NOTE [ Outputs saved as they are ] in _plan.py
-        result = plan.run(lambda: pass_fn(retain), ran_only=plain, retains=retain)
+        result = plan.run(lambda: pass_fn(not plain), ran_only=plain, retains=not plain)
     report = _remember(plan.report(call, dry_run=False), retain_graph)  # a warning made an error: it is
     if retain_graph is None:  # last_report() all the same, as the pass ran and the branch is released
         plan.warn(call)
+        cycle = None if routed is not None or create_graph else plan.cycle_warning(call)
+        if cycle is not None:  # NOTE [ Outputs saved as they are ] in _plan.py
+            warn_at_caller(*cycle)
     return result, report
 
 
@@ -228,9 +230,9 @@ def backward(
     Takes what ``torch.autograd.backward`` takes (tensors or gradient edges, in its
     order), and ``keep=`` (see :func:`prune_after`); a leaf among ``tensors`` has no
     graph to prune: the pass only writes its ``.grad``. The pass runs with
-    ``retain_graph=True`` (but where it protects nothing and meets a tensor that other
-    saved-tensor hooks packed as it is, a cycle only a pass without it breaks: NOTE
-    [ Outputs saved as they are ] in ``_plan.py``); each saved tensor only the branch
+    ``retain_graph=True`` (where it protects nothing and meets a tensor that other
+    saved-tensor hooks packed as it is, a cycle only a pass without it breaks, it
+    warns: NOTE [ Outputs saved as they are ] in ``_plan.py``); each saved tensor only the branch
     needs is let go as soon as its node has used it, as ``retain_graph=False`` would,
     so the peak is that of a plain pass on the branch. Branch nodes the pass does not
     run (``inputs=`` stops it) are released when it ends. If the pass raises, what it
