@@ -195,7 +195,7 @@ def _backward_each(losses, keep, strategy: str, notes: _Notes) -> list[PruneRepo
                 reports.append(report)
                 continue
             got, report = _pass(call, [head.loss], keep, head.guards, functools.partial(_to_the_cut, head),
-                                notes=notes, lazy=lazy)
+                                notes=notes, lazy=lazy, cut=None if lazy else {e.node for e in head.cut})
             reports.append(report)
             _add_each(cut, head.cut, got)
             del got  # before the next callable builds its head: one gradient at the cut, the sum
@@ -451,8 +451,10 @@ def _add(cut: dict, edge: GradientEdge, g: torch.Tensor) -> None:
 def _to_the_cut(head: _Head, retain: bool = True) -> tuple:
     """A head's pass down to its cut (NOTE [ Where a head's pass stops ]): the
     gradients that arrive at its cut edges, after the hooks of the tensors there, and
-    the leaves its upper part feeds accumulated into ``.grad`` as a plain pass does."""
-    if head.stop == "capture":
+    the leaves its upper part feeds accumulated into ``.grad`` as a plain pass does.
+    A pass that does not retain the graph captures: "inputs" would run the cut's
+    nodes, and free what the trunk's pass needs of them."""
+    if head.stop == "capture" or not retain:
         with _accumulating(head.leaves):
             got = torch.autograd.grad(head.loss, [*head.cut, *head.leaves], retain_graph=retain,
                                       allow_unused=True)
@@ -531,18 +533,22 @@ def _accumulate_now(leaf: torch.Tensor, grad: torch.Tensor):
 
 
 def _pass(call: str, outputs, keep, guards, run, edges=(), notes=None, lazy: bool = False,
-          last: bool = False):
+          last: bool = False, cut=None):
     """``run(retain)`` under a plan that frees what it passes through, and the report;
     ``notes`` (:class:`_Notes`) takes the plan's warning (``last``: the call's last pass,
     which frees the trunk, and does not retain the graph if it meets a cycle that only
-    such a pass breaks: NOTE [ Outputs saved as they are ] in ``_plan.py``; the others
-    retain it). ``lazy``: the head a callable
+    such a pass breaks: NOTE [ Outputs saved as they are ] in ``_plan.py``; so does a
+    head's pass that stops at the nodes ``cut`` and runs one that nothing protects; the
+    others retain it). ``lazy``: the head a callable
     built, whose release a later head's pass may meet (a feature one callable memoised
     for the next), which ``keep=`` cannot name: the error says what to do instead."""
     plan = Plan(call, outputs, keep, arg="losses", guards=guards, edges=edges)
     if lazy:
         plan.reason.note = _LAZY_NOTE.format(call=call)
-    retain = not (last and plan.holds_a_cycle())
+    if last:
+        retain = not plan.holds_a_cycle()
+    else:
+        retain = cut is None or not plan.frees_a_cycle_above(cut)
     result = plan.run(functools.partial(run, retain), retains=retain)
     if notes is not None:
         notes.take(plan, call, last)

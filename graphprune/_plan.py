@@ -228,7 +228,10 @@ def input_guards(inputs) -> list[tuple[Node, int, str]]:
 #   ``sum(losses).backward()`` does: where its plan protects nothing that its graph
 #   reaches (no later loss, no ``keep=``, no guard) and it meets such a node, it does
 #   not retain the graph, and its report lists what it freed of other hooks' and
-#   PyTorch's as released.
+#   PyTorch's as released. A head's pass of ``backward_each``'s cut, which stops where
+#   the trunk starts, does not retain it either where it runs such a node and no
+#   node it runs is protected (a head no other loss reaches: not a stacked loss's,
+#   nor a lazy head's, whose trunk a later callable may have memoised).
 # - ``gp.backward``/``gp.grad`` retain it for what graphprune does not hold: a later
 #   loss it cannot see (made after the call, or outside ``track()``) may need it, and a
 #   pass without ``retain_graph`` would free it under that loss (a review found four
@@ -586,6 +589,20 @@ class Plan:
         node for good (NOTE [ Outputs saved as they are ])."""
         return (bool(self._elsewhere) and self._trunk_walk is None and not _meet(self.reach, self.protected)
                 and any(map(saves_its_output, self._elsewhere)))
+
+    def frees_a_cycle_above(self, cut) -> bool:
+        """Whether a pass from this plan's outputs that stops at the nodes ``cut`` (a
+        head's, where the trunk starts) runs a node that other hooks made hold its own
+        output, and no protected root reaches a node it runs: it need not retain the
+        graph then, and should not (NOTE [ Outputs saved as they are ])."""
+        if not self._elsewhere or self._trunk_walk is not None:
+            return False
+        cycles = [node for node in self._elsewhere if node not in cut and saves_its_output(node)]
+        if not cycles:
+            return False
+        ran = {node for node in reach([t.grad_fn for t in self.outputs], stop=cut) if node not in cut}
+        return any(node in ran for node in cycles) and not any(
+            node in self.protected and not is_accumulator(node) for node in ran)
 
     def cycle_warning(self, call: str) -> tuple[str, str] | None:
         """``(message, kind)`` where this call's pass retained a graph that holds such a

@@ -286,6 +286,52 @@ def test_backward_each_last_pass_frees_a_cycle_a_disjoint_live_loss_does_not_rea
     torch.testing.assert_close(v.grad, torch.full((3,), 2.0))
 
 
+def _head_step(hooked, passes):
+    """A trunk ``h``, a head ``g = tanh(2 h)`` whose output is saved as it is where
+    ``hooked`` says (and the trunk's too), ``l1`` from ``g``, ``l2`` from ``h``; a weak
+    reference to ``g`` once the step's tensors are dropped, and the weight's gradient."""
+    torch.manual_seed(0)
+    w, x = torch.randn(16, 16, requires_grad=True), torch.randn(8, 16)
+    with gp.track():
+        with _identity_hooks() if "trunk" in hooked else contextlib.nullcontext():
+            h = torch.tanh(x @ w)
+        with _identity_hooks() if "head" in hooked else contextlib.nullcontext():
+            g = torch.tanh(h * 2)
+        probe = weakref.ref(g)
+        l1, l2 = g.sin().mean(), (h * h).exp().mean()
+    del h, g
+    passes(l1, l2)
+    del l1, l2
+    gc.collect()
+    return probe, w.grad
+
+
+@pytest.mark.parametrize("hooked", ["head", "head and trunk"])  # the cut's node tracked, or not: capture
+def test_backward_each_cut_frees_a_cycle_in_an_earlier_head(hooked):
+    probe, grad = _head_step(hooked, lambda l1, l2: gp.backward_each([l1, l2]))
+    plain_probe, expected = _head_step(hooked, lambda l1, l2: (l1 + l2).backward())
+    assert plain_probe() is None
+    assert probe() is None, "l1's head pass retained the cycle in its head"
+    torch.testing.assert_close(grad, expected)
+
+
+def test_backward_each_cut_keeps_a_cycle_in_a_head_a_later_pass_needs():
+    def passes(l1, l2):
+        later = l1 * 3  # in l1's graph: a pass after the call runs its head again
+        gp.backward_each([l1, l2], keep=[later])
+        later.backward()
+
+    _, grad = _head_step("head", passes)
+    _, expected = _head_step("head", lambda l1, l2: (l1 * 4 + l2).backward())
+    torch.testing.assert_close(grad, expected)
+
+
+def test_backward_each_of_stacked_losses_keeps_a_head_a_stack_shares_and_gets_the_gradients():
+    _, grad = _head_step("head", lambda l1, l2: gp.backward_each(torch.stack([l1, l2])))
+    _, expected = _head_step("head", lambda l1, l2: (l1 + l2).backward())
+    torch.testing.assert_close(grad, expected)
+
+
 def test_grads_each_last_pass_frees_what_other_hooks_saved_as_it_is():
     got, expected = [], []
 
