@@ -115,20 +115,26 @@ class _Notes:
     (``Plan.warning``): a graph built outside ``track()``, read at every pass, or a sum
     the user holds, read at the last pass only (the one that frees the trunk, which
     such a sum keeps; its walks at every pass would cost one per pending loss each), the
-    call's own later losses not taken for held sums."""
+    call's own later losses not taken for held sums. That nothing can be released is
+    not shown where a later pass that did not retain the graph freed what other hooks
+    and PyTorch held (NOTE [ Outputs saved as they are ] in ``_plan.py``)."""
 
-    __slots__ = ("losses", "first")
+    __slots__ = ("losses", "first", "untracked", "released")
 
     def __init__(self) -> None:
         self.losses: list = []
         self.first: tuple[str, str] | None = None
+        self.untracked = self.released = False
 
     def take(self, plan: Plan, call: str, last: bool) -> None:
+        self.released = self.released or plan.freed_what_others_held
         if self.first is None:
-            self.first = plan.warning(call, self.losses) if last else plan.untracked_warning(call)
+            untracked = plan.untracked_warning(call)
+            self.first = plan.warning(call, self.losses) if last else untracked
+            self.untracked = untracked is not None and self.first == untracked
 
     def show(self) -> None:
-        if self.first is not None:
+        if self.first is not None and not (self.untracked and self.released):
             warn_at_caller(*self.first)
 
 
@@ -536,19 +542,19 @@ def _pass(call: str, outputs, keep, guards, run, edges=(), notes=None, lazy: boo
           last: bool = False, cut=None):
     """``run(retain)`` under a plan that frees what it passes through, and the report;
     ``notes`` (:class:`_Notes`) takes the plan's warning (``last``: the call's last pass,
-    which frees the trunk, and does not retain the graph if it meets a cycle that only
-    such a pass breaks: NOTE [ Outputs saved as they are ] in ``_plan.py``; so does a
-    head's pass that stops at the nodes ``cut`` and runs one that nothing protects; the
-    others retain it). ``lazy``: the head a callable
+    which frees the trunk). A pass does not retain the graph where it meets a cycle that
+    only such a pass breaks and no protected root reaches its graph (NOTE [ Outputs
+    saved as they are ] in ``_plan.py``), nor a head's pass that stops at the nodes
+    ``cut`` and runs one that nothing protects; the others retain it. ``lazy``: the head a callable
     built, whose release a later head's pass may meet (a feature one callable memoised
     for the next), which ``keep=`` cannot name: the error says what to do instead."""
     plan = Plan(call, outputs, keep, arg="losses", guards=guards, edges=edges)
     if lazy:
         plan.reason.note = _LAZY_NOTE.format(call=call)
-    if last:
-        retain = not plan.holds_a_cycle()
-    else:
-        retain = cut is None or not plan.frees_a_cycle_above(cut)
+    if cut is not None:
+        retain = not plan.frees_a_cycle_above(cut)
+    else:  # a whole pass: a lazy head's may hold what a later callable memoised, which nothing protects
+        retain = lazy or not plan.holds_a_cycle()
     result = plan.run(functools.partial(run, retain), retains=retain)
     if notes is not None:
         notes.take(plan, call, last)

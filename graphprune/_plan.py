@@ -23,6 +23,7 @@ from ._graph import (
     UNTRACKED,
     _is_router,
     _SavedTensor,
+    children,
     is_accumulator,
     name,
     reach,
@@ -224,14 +225,16 @@ def input_guards(inputs) -> list[tuple[Node, int, str]]:
 # not see and only a pass that does not retain the graph breaks (it frees what a node
 # saved as it runs it). A pass that retains the graph keeps those tensors for good (15.6
 # MiB a step in a review's script, where ``l2.backward()`` freed them).
-# - The last pass of ``backward_each`` and ``grads_each`` frees the trunk, as
-#   ``sum(losses).backward()`` does: where its plan protects nothing that its graph
-#   reaches (no later loss, no ``keep=``, no guard) and it meets such a node, it does
-#   not retain the graph, and its report lists what it freed of other hooks' and
-#   PyTorch's as released. A head's pass of ``backward_each``'s cut, which stops where
-#   the trunk starts, does not retain it either where it runs such a node and no
-#   node it runs is protected (a head no other loss reaches: not a stacked loss's,
-#   nor a lazy head's, whose trunk a later callable may have memoised).
+# - ``backward_each`` and ``grads_each`` end the step, as ``sum(losses).backward()``
+#   does: a pass of theirs whose graph no protected root reaches (the last; one whose
+#   graph no other loss shares) and that meets such a node does not retain the graph,
+#   and its report lists what it freed of other hooks' and PyTorch's as released. A
+#   head's pass of ``backward_each``'s cut, which stops where the trunk starts, does not
+#   retain it either where it runs such a node and no node it may run is protected
+#   (every edge counted, as the engine runs them: ``torch.stack`` sends zeros to the
+#   other losses' heads; a built-in node that saves nothing runs again after, so two
+#   heads may share one), and it captures at the cut; not a lazy head's, whose trunk a
+#   later callable may have memoised where nothing protects it.
 # - ``gp.backward``/``gp.grad`` retain it for what graphprune does not hold: a later
 #   loss it cannot see (made after the call, or outside ``track()``) may need it, and a
 #   pass without ``retain_graph`` would free it under that loss (a review found four
@@ -265,7 +268,7 @@ class Plan:
     passes: a head down to where it meets the trunk, the trunk from there).
     """
 
-    _freed = False  # a pass that did not retain the graph freed nodes graphprune does not hold
+    freed_what_others_held = False  # a pass without retain_graph freed nodes graphprune does not hold
 
     @walks
     def __init__(self, call: str, outputs, keep, arg: str = "y", extra=(), guards=(), edges=(),
@@ -453,7 +456,8 @@ class Plan:
     def untracked_warning(self, call: str) -> tuple[str, str] | None:
         """``(message, kind)`` where this call releases nothing because its graph was
         built outside ``track()``, or ``None``."""
-        if self.handles_by_node or TRACKED in self._kinds or UNTRACKED not in self._kinds or self._freed:
+        if (self.handles_by_node or TRACKED in self._kinds or UNTRACKED not in self._kinds
+                or self.freed_what_others_held):
             return None
         return (
             f"{call}: nothing can be released: the graph of {self._what()} was built outside "
@@ -600,9 +604,9 @@ class Plan:
         cycles = [node for node in self._elsewhere if node not in cut and saves_its_output(node)]
         if not cycles:
             return False
-        ran = {node for node in reach([t.grad_fn for t in self.outputs], stop=cut) if node not in cut}
+        ran = _runs([t.grad_fn for t in self.outputs], cut)
         return any(node in ran for node in cycles) and not any(
-            node in self.protected and not is_accumulator(node) for node in ran)
+            node in self.protected and not _reruns(node) for node in ran)
 
     def cycle_warning(self, call: str) -> tuple[str, str] | None:
         """``(message, kind)`` where this call's pass retained a graph that holds such a
@@ -612,7 +616,7 @@ class Plan:
         count = sum(map(saves_its_output, self._elsewhere))
         return (
             f"{call}: other saved-tensor hooks saved the output of {count} node(s) of the graph of "
-            f"{self._what()} as it is (identity or logging hooks inside the block, save_on_cpu of a CPU "
+            f"{self._what()} as it is (identity or logging saved_tensors_hooks, save_on_cpu of a CPU "
             "tensor): each holds its own grad_fn, a cycle that only a pass that does not retain the graph "
             "breaks, and this pass retained it for what graphprune does not hold, so those tensors stay "
             "alive after the step. If no later pass runs through them, end the step with "
@@ -623,24 +627,27 @@ class Plan:
     def _freed_by_the_pass(self) -> None:
         """The nodes graphprune does not hold that a pass without ``retain_graph`` ran:
         PyTorch freed what they saved, so the report lists them as released, not kept
-        (their bytes unmeasured, as they were)."""
+        (their bytes unmeasured, as they were; a reason all of whose nodes went takes
+        its measured bytes out of ``bytes_kept``)."""
         freed = [node for node in self._elsewhere if was_freed(node)]
         if not freed:
             return
-        self._freed = True  # its pass released what it was for: no warning that it could not
+        self.freed_what_others_held = True  # its pass released what it was for: no warning that it could not
         ids = frozenset(map(id, freed))
-        kept = []
+        kept, gone = [], 0
         for r in self.report_args["kept"]:
             if r.node_ids & ids:
                 left = r.node_ids - ids
                 if not left:
+                    gone += r.saved_bytes or 0
                     continue
                 r = KeptReason(r.reason, len(left), r.saved_bytes, left)
             kept.append(r)
         names = collections.Counter(self.report_args["released_nodes"])
         names.update(name(node) for node in freed)
         self.report_args = dict(self.report_args, kept=tuple(kept), released_nodes=dict(names),
-                                released_ids=self.report_args["released_ids"] | ids)
+                                released_ids=self.report_args["released_ids"] | ids,
+                                bytes_kept=max(0, self.report_args["bytes_kept"] - gone))
 
     def _disarm(self) -> None:
         for hook in self._hooks:
@@ -851,6 +858,28 @@ def _classify_kept(nodes, key) -> _Part:
     if mine:
         part.kept_nodes[key], part.kept_by[key] = mine, handles_of
     return part
+
+
+def _runs(roots, stop) -> set:
+    """The nodes a pass from ``roots`` that stops at the nodes ``stop`` may run: every
+    edge followed, as the engine follows them (a routing node sends zeros down the
+    edges no gradient of its own takes: ``torch.stack``'s to the other losses)."""
+    queue = [node for node in dict.fromkeys(roots) if node is not None and node not in stop]
+    seen = set(queue)
+    for node in queue:
+        for child in children(node):
+            if child not in seen and child not in stop:
+                seen.add(child)
+                queue.append(child)
+    return seen
+
+
+def _reruns(node) -> bool:
+    """Whether ``node`` runs again after a pass that did not retain the graph ran it: a
+    leaf's ``AccumulateGrad``, or a built-in node that saves nothing (two heads unbound
+    from one tensor share their ``UnbindBackward0``); a custom ``Function``'s may not."""
+    kind = type(node)
+    return is_accumulator(node) or (kind in saves_nothing and getattr(kind, "_forward_cls", None) is None)
 
 
 def _meet(a: dict, b: dict) -> bool:

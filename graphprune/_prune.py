@@ -95,8 +95,9 @@ def _pass_and_prune(call: str, outputs, arg: str, keep, retain_graph, create_gra
         result = plan.run(lambda: pass_fn(not plain), ran_only=plain, retains=not plain)
     report = _remember(plan.report(call, dry_run=False), retain_graph)  # a warning made an error: it is
     if retain_graph is None:  # last_report() all the same, as the pass ran and the branch is released
-        plan.warn(call)
         cycle = None if routed is not None or create_graph else plan.cycle_warning(call)
+        if cycle is None or plan.untracked_warning(call) is None:  # a cycle: other hooks hold the graph,
+            plan.warn(call)  # not a forward outside track()
         if cycle is not None:  # NOTE [ Outputs saved as they are ] in _plan.py
             warn_at_caller(*cycle)
     return result, report

@@ -332,6 +332,92 @@ def test_backward_each_of_stacked_losses_keeps_a_head_a_stack_shares_and_gets_th
     torch.testing.assert_close(grad, expected)
 
 
+def _unbound_heads_step(passes):
+    """Two heads unbound from one trunk tensor, all under identity hooks (their exp saves
+    its output as it is); weak references to the activations after the step, and the
+    weights' gradients."""
+    torch.manual_seed(0)
+    w, a, b = (torch.randn(6, 6, requires_grad=True) for _ in range(3))
+    with gp.track(), _identity_hooks():
+        x = (torch.randn(2, 6) @ w).tanh()
+        top, bottom = x.unbind(0)
+        e1, e2 = (top @ a).exp(), (bottom @ b).exp()
+        losses = [e1.sum(), e2.sum()]
+    probes = [weakref.ref(t) for t in (x, e1, e2)]
+    del x, top, bottom, e1, e2
+    passes(losses)
+    del losses
+    gc.collect()
+    return [p() is not None for p in probes], [w.grad, a.grad, b.grad]
+
+
+def test_backward_each_cut_frees_heads_that_share_a_routing_node_that_saves_nothing():
+    alive, grads = _unbound_heads_step(gp.backward_each)  # both heads run UnbindBackward0
+    plain_alive, expected = _unbound_heads_step(lambda losses: sum(losses).backward())
+    assert alive == plain_alive == [False] * 3
+    torch.testing.assert_close(grads, expected)
+
+
+@pytest.mark.parametrize("per_loss", ["backward_each passes", "grads_each"])
+def test_every_pass_frees_a_cycle_in_a_graph_no_other_loss_reaches(per_loss):
+    # per-domain batches: each loss's graph its own, a cycle in the first
+    def step(passes):
+        torch.manual_seed(0)
+        w, v = torch.randn(6, 6, requires_grad=True), torch.randn(6, 6, requires_grad=True)
+        with gp.track(), _identity_hooks():
+            x1, x2 = (torch.randn(2, 6) @ w).exp(), (torch.randn(2, 6) @ v).exp()
+            losses = [x1.sum(), x2.sum()]
+        probes = [weakref.ref(x1), weakref.ref(x2)]
+        del x1, x2
+        got = passes(w, v, losses)
+        del losses
+        gc.collect()
+        return [p() is not None for p in probes], got
+
+    def rows(w, v, losses):
+        return gp.grads_each(losses, [w, v], allow_unused=True)
+
+    def plain_rows(w, v, losses):
+        return [torch.autograd.grad(loss, [w, v], allow_unused=True) for loss in losses]
+
+    def passes(w, v, losses):
+        gp.backward_each(losses, strategy="passes")
+        return [w.grad, v.grad]
+
+    def plain(w, v, losses):
+        sum(losses).backward()
+        return [w.grad, v.grad]
+
+    ours, theirs = (rows, plain_rows) if per_loss == "grads_each" else (passes, plain)
+    alive, got = step(ours)
+    _, expected = step(theirs)
+    assert alive == [False, False]
+    torch.testing.assert_close(got, expected)
+
+
+def test_backward_each_under_other_hooks_does_not_say_nothing_can_be_released_when_a_pass_freed_it():
+    w, a, b = (torch.randn(6, 6, requires_grad=True) for _ in range(3))
+    with gp.track(), _identity_hooks():
+        z = (torch.randn(2, 6) @ w).tanh()
+        losses = torch.stack([(z @ a).exp().sum(), (z @ b).exp().sum()])
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        reports = gp.backward_each(losses)
+    assert sum(r.released_node_count for r in reports) > 0
+    assert not [w for w in caught if "nothing can be released" in str(w.message)], caught[0].message
+
+
+def test_a_graph_all_under_other_hooks_warns_of_its_cycle_not_of_a_forward_outside_track():
+    w = torch.randn(6, 6, requires_grad=True)
+    with gp.track(), _identity_hooks():
+        loss = (torch.randn(2, 6) @ w).exp().sum()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        gp.backward(loss)
+    messages = [str(w.message) for w in caught]
+    assert len(messages) == 1 and "other saved-tensor hooks saved the output" in messages[0], messages
+
+
 def test_grads_each_last_pass_frees_what_other_hooks_saved_as_it_is():
     got, expected = [], []
 
@@ -408,9 +494,19 @@ def test_a_pass_that_frees_what_other_hooks_held_reports_it_released_not_kept():
         del h
         with pytest.warns() if retain is None else contextlib.nullcontext():
             reports[retain] = gp.backward(loss, retain_graph=retain)
-    assert reports[False].kept == (), reports[False]  # the pass freed the region: nothing is kept
+    assert reports[False].kept == () and reports[False].bytes_kept == 0, reports[False]  # the pass freed it
     assert {"TanhBackward0", "MmBackward0", "SinBackward0"} <= set(reports[False].released_nodes)
     assert [k.reason for k in reports[None].kept if "other saved-tensor hooks" in k.reason], reports[None]
+
+
+def test_a_pass_that_frees_a_checkpointed_region_keeps_none_of_its_inputs_bytes_in_the_report():
+    w = torch.randn(64, 64, requires_grad=True)
+    with gp.track():
+        h = (w * 2).tanh()  # the region's input, which graphprune holds for it
+        loss = torch.utils.checkpoint.checkpoint(lambda t: (t @ t).sin(), h, use_reentrant=False).sum()
+    report = gp.backward(loss, retain_graph=False)
+    assert report.kept == () and report.bytes_kept == 0, report
+    assert {"SinBackward0", "MmBackward0"} <= set(report.released_nodes), report
 
 
 def test_a_graph_built_outside_track_stays_for_a_later_pass_when_no_cycle_asks_to_free_it():
