@@ -128,10 +128,10 @@ class _Notes:
 
     def take(self, plan: Plan, call: str, last: bool) -> None:
         self.released = self.released or plan.freed_what_others_held
-        if self.first is None:
+        if self.first is None:  # Plan.warning's first is the untracked warning
             untracked = plan.untracked_warning(call)
-            self.first = plan.warning(call, self.losses) if last else untracked
-            self.untracked = untracked is not None and self.first == untracked
+            self.untracked = untracked is not None
+            self.first = plan.warning(call, self.losses) if last and untracked is None else untracked
 
     def show(self) -> None:
         if self.first is not None and not (self.untracked and self.released):

@@ -52,7 +52,7 @@ if TYPE_CHECKING:
 __all__ = [
     "LOCK", "TRACKED", "FOREIGN", "UNTRACKED", "NOTHING_SAVED", "children", "saved", "saved_attributes",
     "saves_nothing", "saves_one", "is_accumulator",
-    "live_handles", "saves_its_output", "was_freed", "reach", "walk",
+    "live_handles", "saves_its_output", "was_freed", "reach", "walk", "along_every_edge",
     "name", "attach_hidden",
 ]
 
@@ -248,6 +248,22 @@ DEEP = 4096  # a chain of 20k wrapped nodes was torn down safely (DESIGN.md fact
 def walk(roots) -> list:
     """Every node reachable from ``roots`` (wrappers), once each; a queue, never recursion."""
     return list(reach(roots))
+
+
+def along_every_edge(roots, stop=frozenset()) -> dict:
+    """Every node below ``roots`` along every edge, as the engine runs them (a routing
+    node's edges that can only carry zeros included, where :func:`reach` does not follow
+    them), breadth-first, as the keys of a dict; nodes in ``stop`` neither entered nor
+    counted. ``children`` caches each node's children on it (NOTE [ Deep graphs and
+    Python wrappers ])."""
+    seen = dict.fromkeys(node for node in roots if node is not None and node not in stop)
+    queue = list(seen)
+    for node in queue:
+        for child in children(node):
+            if child not in seen and child not in stop:
+                seen[child] = None
+                queue.append(child)
+    return seen
 
 
 # -- saved tensors --------------------------------------------------------------------

@@ -23,7 +23,7 @@ from ._graph import (
     UNTRACKED,
     _is_router,
     _SavedTensor,
-    children,
+    along_every_edge,
     is_accumulator,
     name,
     reach,
@@ -591,8 +591,12 @@ class Plan:
         """Whether a node that other hooks hold saved its own output as it is, and no
         protected root reaches this plan's graph: a pass that retains it keeps that
         node for good (NOTE [ Outputs saved as they are ])."""
-        return (bool(self._elsewhere) and self._trunk_walk is None and not _meet(self.reach, self.protected)
-                and any(map(saves_its_output, self._elsewhere)))
+        return self._unprotected_elsewhere() and any(map(saves_its_output, self._elsewhere))
+
+    def _unprotected_elsewhere(self) -> bool:
+        """Whether the plan met nodes graphprune does not hold, and no protected root
+        reaches its graph."""
+        return bool(self._elsewhere) and self._trunk_walk is None and not _meet(self.reach, self.protected)
 
     def frees_a_cycle_above(self, cut) -> bool:
         """Whether a pass from this plan's outputs that stops at the nodes ``cut`` (a
@@ -604,16 +608,16 @@ class Plan:
         cycles = [node for node in self._elsewhere if node not in cut and saves_its_output(node)]
         if not cycles:
             return False
-        ran = _runs([t.grad_fn for t in self.outputs], cut)
+        ran = along_every_edge([t.grad_fn for t in self.outputs], cut)  # torch.stack's zeros too
         return any(node in ran for node in cycles) and not any(
             node in self.protected and not _reruns(node) for node in ran)
 
     def cycle_warning(self, call: str) -> tuple[str, str] | None:
         """``(message, kind)`` where this call's pass retained a graph that holds such a
         cycle (:meth:`holds_a_cycle`), or ``None``."""
-        if not self.holds_a_cycle():
+        count = sum(map(saves_its_output, self._elsewhere)) if self._unprotected_elsewhere() else 0
+        if not count:
             return None
-        count = sum(map(saves_its_output, self._elsewhere))
         return (
             f"{call}: other saved-tensor hooks saved the output of {count} node(s) of the graph of "
             f"{self._what()} as it is (identity or logging saved_tensors_hooks, save_on_cpu of a CPU "
@@ -858,20 +862,6 @@ def _classify_kept(nodes, key) -> _Part:
     if mine:
         part.kept_nodes[key], part.kept_by[key] = mine, handles_of
     return part
-
-
-def _runs(roots, stop) -> set:
-    """The nodes a pass from ``roots`` that stops at the nodes ``stop`` may run: every
-    edge followed, as the engine follows them (a routing node sends zeros down the
-    edges no gradient of its own takes: ``torch.stack``'s to the other losses)."""
-    queue = [node for node in dict.fromkeys(roots) if node is not None and node not in stop]
-    seen = set(queue)
-    for node in queue:
-        for child in children(node):
-            if child not in seen and child not in stop:
-                seen.add(child)
-                queue.append(child)
-    return seen
 
 
 def _reruns(node) -> bool:

@@ -27,7 +27,7 @@ import networkx as nx
 import torch
 from torch.autograd.graph import GradientEdge, Node
 
-from ._graph import FOREIGN, UNTRACKED, _is_router, children, name, reach, saved
+from ._graph import FOREIGN, UNTRACKED, _is_router, along_every_edge, children, name, reach, saved
 from ._marks import RELEASED
 from ._modules import module_of, parameter_names
 from ._plan import as_outputs, listed
@@ -156,7 +156,7 @@ def model(y, keep, report: PruneReport) -> nx.DiGraph:
     routed = {id(n) for n in _routed(roots)}
     params = parameter_names()
     g = nx.DiGraph()
-    order = _walk(fns)
+    order = list(along_every_edge(fns))
     starts = [n for n in order if id(n) in report.output_ids]
     # the call's part as its prune walked it, routing too: a stack's entry reaches one head, not every head
     in_call = {id(n) for n in reach(starts)} if starts else None  # None: a report that does not say
@@ -179,21 +179,6 @@ def model(y, keep, report: PruneReport) -> nx.DiGraph:
             d["reason"] = rank[d["reason"]]
     g.graph["kept"] = [report.kept[i] for i in used]
     return g
-
-
-def _walk(roots) -> list:
-    """Every node below ``roots`` along every edge; ``children`` caches each node's
-    children on it (NOTE [ Deep graphs and Python wrappers ] in ``_graph.py``)."""
-    seen: dict = {}
-    queue = collections.deque(r for r in roots if r is not None)
-    for r in queue:
-        seen[r] = None
-    while queue:
-        for child in children(queue.popleft()):
-            if child not in seen:
-                seen[child] = None
-                queue.append(child)
-    return list(seen)
 
 
 def _state(node, kind: str, report: PruneReport, reason_of: dict, routed: set,
