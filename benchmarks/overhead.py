@@ -557,8 +557,11 @@ def _scaling_rows(scaling) -> list[dict]:
         target = SCALING_US[100000] if s["target"] > 10000 else SCALING_US[10000]
         for name, key in (("prune_after", "prune_s"), ("explain", "explain_s")):
             us = s[key] / s["nodes"] * 1e6
+            lo, hi = (key.replace("_s", "_min_s"), key.replace("_s", "_max_s"))
+            spread = (f" (runs {s[lo] / s['nodes'] * 1e6:.2f}–{s[hi] / s['nodes'] * 1e6:.2f})"
+                      if lo in s and s.get("runs", 1) > 1 else "")
             out.append(_row(f"`{name}(y, keep=x)`, chain of {s['nodes']} nodes", "—",
-                            f"{s[key] * 1e3:.1f} ms", f"{us:.2f} µs/node", f"≤ {target:g} µs/node",
+                            f"{s[key] * 1e3:.1f} ms", f"{us:.2f} µs/node{spread}", f"≤ {target:g} µs/node",
                             us <= target, f"scaling/chain ({s['nodes']} nodes)", name))
         if "floor_s" in s:  # the machine's floor: one walk reading each node's saved objects
             us = s["floor_s"] / s["nodes"] * 1e6

@@ -445,25 +445,27 @@ def _scaling_table(scaling):
              "keep=x)` runs alone after the retained backward, as a step runs it; on a second graph "
              "`explain(y, keep=x)` runs after its backward, then `prune_after` again (*after explain*: "
              "explain left it the trunk's walk and measure, so it reads the head only). Each row is the "
-             "median of the runs after a warm-up one (fresh graphs each; 1k nodes: 7, 10k: 5, 100k: 1 at "
-             "full size), every column on its own. The floor walk (`benchmarks.scaling.floor_walk`, after "
+             "median of the runs after a warm-up one (fresh graphs each; how many: *runs*), every column on "
+             "its own; *range* is the fastest and the slowest run's prune_after, and the plain forward's "
+             "range beside it says how much the machine's speed moved between those runs. The floor walk "
+             "(`benchmarks.scaling.floor_walk`, after "
              "the prune, so on wrappers already made): a queue over `next_functions` that reads each node's "
              "`_raw_saved_*` objects and nothing else, the least a prune that reads the graph when asked "
              "pays on this machine.")
     L.append("")
-    L.append("| graph | nodes | forward ms (plain / tracked) | backward ms | prune_after ms (µs/node) | "
-             "prune / backward | explain ms (µs/node) | prune_after after explain ms (µs/node) | "
-             "floor walk ms (µs/node) |")
-    L.append("|---|---|---|---|---|---|---|---|---|")
+    L.append("| graph | nodes | runs | forward ms (plain / tracked) | backward ms | "
+             "prune_after ms (µs/node) | range: prune_after µs/node, plain forward ms | prune / backward | "
+             "explain ms (µs/node) | prune_after after explain ms (µs/node) | floor walk ms (µs/node) |")
+    L.append("|---|---|---|---|---|---|---|---|---|---|---|")
 
     def ms(r, key):
         return f"{r[key] * 1e3:.1f} ({r[key] / r['nodes'] * 1e6:.2f})" if key in r else "—"
 
     for r in scaling:
         share = r["prune_s"] / r["backward_s"] * 100
-        L.append(f"| {r['shape']} | {r['nodes']} | {r['fwd_plain_s'] * 1e3:.1f} / "
+        L.append(f"| {r['shape']} | {r['nodes']} | {r.get('runs', '—')} | {r['fwd_plain_s'] * 1e3:.1f} / "
                  f"{r['fwd_tracked_s'] * 1e3:.1f} | {r['backward_s'] * 1e3:.1f} | {ms(r, 'prune_s')} | "
-                 f"{share:.0f}% | {ms(r, 'explain_s')} | {ms(r, 'prune_after_explain_s')} | "
+                 f"{_range(r)} | {share:.0f}% | {ms(r, 'explain_s')} | {ms(r, 'prune_after_explain_s')} | "
                  f"{ms(r, 'floor_s')} |")
     L.append("")
     by = collections.defaultdict(list)
@@ -479,6 +481,16 @@ def _scaling_table(scaling):
                  f"{eb * 1e6:.2f} (x{eb / ea:.2f}); flat means x1.")
     L.append("")
     return L
+
+
+def _range(r) -> str:
+    """The fastest and slowest run's prune_after (µs/node) and plain forward (ms) of a
+    scaling row, ``—`` for a result without them."""
+    if "prune_min_s" not in r:
+        return "—"
+    n = r["nodes"]
+    return (f"{r['prune_min_s'] / n * 1e6:.2f}–{r['prune_max_s'] / n * 1e6:.2f}, "
+            f"{r['fwd_plain_min_s'] * 1e3:.1f}–{r['fwd_plain_max_s'] * 1e3:.1f}")
 
 
 # --------------------------------------------------------------------------------------

@@ -110,8 +110,9 @@ def jobs(level: str, threads: int, shapes=SHAPES) -> list[dict]:
     """The scaling jobs of a suite level: every shape at every size of the level."""
     sizes = {"full": [1000, 10000, 100000], "quick": [1000, 10000], "tiny": [200, 1000]}[level]
     # measured runs after the warm-up one: more where a run is short, so that the
-    # median stands clear of a run that met noise from the rest of the machine
-    repeats = {"full": {1000: 7, 10000: 5, 100000: 1}, "quick": {1000: 3, 10000: 1}, "tiny": {}}[level]
+    # median stands clear of a run that met noise from the rest of the machine (on a
+    # shared machine a 10k-node run's plain forward alone varied 15 to 27 ms in one job)
+    repeats = {"full": {1000: 9, 10000: 9, 100000: 3}, "quick": {1000: 3, 10000: 1}, "tiny": {}}[level]
     return [dict(kind="scaling", shape=shape, nodes=n, threads=threads, repeats=repeats.get(n, 0))
             for shape in shapes for n in sizes]
 
@@ -201,4 +202,8 @@ def run_scaling(job: dict) -> dict:
         if rep > 0 or repeats == 0:  # the first run warms up
             rows.append(row)
     med = {k: statistics.median(r[k] for r in rows) for k in rows[0]}
+    for key in ("prune_s", "explain_s", "fwd_plain_s"):  # the runs' spread: how noisy the machine was
+        med[key.replace("_s", "_min_s")] = min(r[key] for r in rows)
+        med[key.replace("_s", "_max_s")] = max(r[key] for r in rows)
+    med["runs"] = len(rows)
     return dict(job=job, ok=True, scaling=med, rows=rows)

@@ -71,7 +71,12 @@ def test_every_strategy_has_a_row_in_every_table(suite):
                 float(cells[0].split()[0])  # a measured peak
                 float(cells[3])  # a measured time
     assert "## Targets" in by_title or any(t.startswith("Targets") for t in by_title)
-    assert any(t.startswith("Scaling") for t in by_title)
+    scaling = next(s for t, s in by_title.items() if t.startswith("Scaling"))
+    assert "| graph | nodes | runs |" in scaling
+    chain = re.search(r"^\| chain \| \d+ \| (\d+) \|(?:[^|]*\|){3}([^|]*)\|", scaling, flags=re.M)
+    assert chain, "no chain row in the scaling table"
+    lo, hi = (float(v) for v in chain.group(2).split(",")[0].split("–"))  # the runs' range of prune_after
+    assert 0 < lo <= hi
     overhead = by_title.get("Tracking overhead", "")
     assert "| measurement | plain | graphprune |" in overhead
     floors = [line for line in overhead.splitlines() if "the floor on this machine" in line]
