@@ -49,7 +49,7 @@ from torch.overrides import TorchFunctionMode
 
 import graphprune as gp
 
-from .scaling import floor_walk
+from .scaling import bound_key, floor_walk
 
 PARTS = ("chain", "transformer", "memory", "heads")
 CUDA_PARTS = ("transformer_cuda",)  # with --device cuda, besides PARTS (which stay on the CPU)
@@ -557,7 +557,7 @@ def _scaling_rows(scaling) -> list[dict]:
         target = SCALING_US[100000] if s["target"] > 10000 else SCALING_US[10000]
         for name, key in (("prune_after", "prune_s"), ("explain", "explain_s")):
             us = s[key] / s["nodes"] * 1e6
-            lo, hi = (key.replace("_s", "_min_s"), key.replace("_s", "_max_s"))
+            lo, hi = bound_key(key, "min"), bound_key(key, "max")
             spread = (f" (runs {s[lo] / s['nodes'] * 1e6:.2f}–{s[hi] / s['nodes'] * 1e6:.2f})"
                       if lo in s and s.get("runs", 1) > 1 else "")
             out.append(_row(f"`{name}(y, keep=x)`, chain of {s['nodes']} nodes", "—",

@@ -9,6 +9,7 @@ import statistics
 
 from . import overhead as O
 from . import workloads as W
+from .scaling import bound_key
 
 GP = ("gp_prune", "gp_backward", "gp_each")
 EACH_TIME_TOL = 1.05  # issue 8: the per-loss helpers on the per-task and tap-depth workloads
@@ -486,11 +487,12 @@ def _scaling_table(scaling):
 def _range(r) -> str:
     """The fastest and slowest run's prune_after (µs/node) and plain forward (ms) of a
     scaling row, ``—`` for a result without them."""
-    if "prune_min_s" not in r:
+    if bound_key("prune_s", "min") not in r:
         return "—"
     n = r["nodes"]
-    return (f"{r['prune_min_s'] / n * 1e6:.2f}–{r['prune_max_s'] / n * 1e6:.2f}, "
-            f"{r['fwd_plain_min_s'] * 1e3:.1f}–{r['fwd_plain_max_s'] * 1e3:.1f}")
+    prune = [r[bound_key("prune_s", b)] / n * 1e6 for b in ("min", "max")]
+    plain = [r[bound_key("fwd_plain_s", b)] * 1e3 for b in ("min", "max")]
+    return f"{prune[0]:.2f}–{prune[1]:.2f}, {plain[0]:.1f}–{plain[1]:.1f}"
 
 
 # --------------------------------------------------------------------------------------

@@ -121,6 +121,15 @@ def _count(tape) -> int:
     return tape.graph().number_of_nodes()
 
 
+SPREAD = ("prune_s", "explain_s", "fwd_plain_s")  # the row keys whose fastest and slowest run are kept
+
+
+def bound_key(key: str, bound: str) -> str:
+    """The result key of ``key``'s fastest (``bound="min"``) or slowest (``"max"``) run:
+    ``bound_key("prune_s", "min") == "prune_min_s"``."""
+    return f"{key.removesuffix('_s')}_{bound}_s"
+
+
 def run_scaling(job: dict) -> dict:
     torch.set_num_threads(job.get("threads", 1))
     shape, n = job["shape"], job["nodes"]
@@ -202,8 +211,8 @@ def run_scaling(job: dict) -> dict:
         if rep > 0 or repeats == 0:  # the first run warms up
             rows.append(row)
     med = {k: statistics.median(r[k] for r in rows) for k in rows[0]}
-    for key in ("prune_s", "explain_s", "fwd_plain_s"):  # the runs' spread: how noisy the machine was
-        med[key.replace("_s", "_min_s")] = min(r[key] for r in rows)
-        med[key.replace("_s", "_max_s")] = max(r[key] for r in rows)
+    for key in SPREAD:  # the runs' spread: how noisy the machine was
+        med[bound_key(key, "min")] = min(r[key] for r in rows)
+        med[bound_key(key, "max")] = max(r[key] for r in rows)
     med["runs"] = len(rows)
     return dict(job=job, ok=True, scaling=med, rows=rows)
