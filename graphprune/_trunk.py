@@ -7,11 +7,15 @@ through: walked twice per prune, and again at the next head's prune. So the trun
 walked first (the protected walk), and the walk from ``y`` stops where it meets it.
 What the walk from ``y`` would have found is then exactly the two walks together when
 ``x``'s node is among the nodes it met, with the support the trunk's walk started
-from (``x`` a slice of a ``stack``: the part it covers), every other trunk node it met
-with no more support than the trunk's walk gave it, and the trunk's walk stopped at
-no released node (a walk from ``y`` goes on through one). Otherwise the whole walk
-from ``y`` runs, as it does for several protected roots (``keep=None``'s pending
-losses, a list).
+from (``x`` a slice of a ``stack``: the part it covers), every other routing node of the
+trunk it met with no more support than the trunk's walk gave it, and the trunk's walk
+stopped at no released node (a walk from ``y`` goes on through one). Otherwise the
+whole walk from ``y`` runs, as it does for several protected roots (``keep=None``'s
+pending losses, a list). A trunk node that does not route passes ``ALL`` on whatever
+it got, so the walks below it are the same, but the support it got is what a pass ran
+through of a vector of losses there (NOTE [ Supports at every node a router feeds ] in
+``_graph.py``): it keeps the support of both walks (``L = torch.stack(losses) * 1.0``,
+``x = L[1]`` and ``y = L[0] + x + L[2]``: every entry of ``L``).
 
 The trunk's walk is left in ``x``'s node's metadata for the next prune with the same
 ``keep=x``: the nodes below ``x``'s node (never that node itself: its metadata holding
@@ -184,7 +188,15 @@ def walk_trunk_once(tops: list, root: tuple, start_supports: dict, y_supports: d
     head = [node for node in walked if node not in protected or node is fn]
     walked.update(protected)  # the labels of a reach are not read: its nodes, in order
     y_supports.update(supports)
-    y_supports.update(trunk_supports)
+    for node, support in trunk_supports.items():  # a trunk node both walks met has both supports
+        met = supports.get(node)
+        if met is None:
+            y_supports[node] = support
+        else:  # a node a router feeds (``L = torch.stack(losses) * w``, ``x = L[1]``): what the pass
+            both = dict(support)  # from y runs through of L is read there (``_plan._split_live``)
+            for nr, s in met.items():
+                widen(both, nr, s)
+            y_supports[node] = both
     return walked, protected, walk, head
 
 

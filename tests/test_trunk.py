@@ -274,6 +274,28 @@ def _scenario_reasons_met_in_the_trunk_and_in_the_head(w):
     return reports
 
 
+def _scenario_y_reaches_entries_of_losses_inside_the_trunk(w, walk_left=False):
+    """The losses' vector ``L`` sits under ``x = L[1]``'s node, in the trunk: ``y``'s pass
+    runs through its other entries too, and the walk from ``y`` stops at its node. What
+    the pass ran through of ``L`` is every entry (after ``x``'s own pass, a ``keep=None``
+    prune has nothing of ``L`` left to protect), not the one the trunk's walk found;
+    ``walk_left``: a first head's prune left that walk on ``x``'s node."""
+    with gp.track():
+        a = w.exp()
+        L = torch.stack([(a * (i + 1)).sin().sum() for i in range(3)]) * 1.0  # not a routing node
+        x = L[1]
+        y0 = (x * 3).exp()
+        y = L[0] + x * 2 + L[2]
+    reports = []
+    if walk_left:
+        y0.backward(retain_graph=True)
+        reports.append(_summary(gp.prune_after(y0, keep=x)))
+    y.backward(retain_graph=True)
+    reports.append(_summary(gp.prune_after(y, keep=x)))
+    x.backward(retain_graph=True)
+    return reports + [_summary(gp.prune_after(x)), _summary(gp.explain(x))]
+
+
 SCENARIOS = {
     "the root itself released since its walk was left":
         _scenario_the_root_itself_released_since_its_walk_was_left,
@@ -291,6 +313,9 @@ SCENARIOS = {
     "keep outside y's graph": _scenario_keep_outside_y,
     "checkpointed trunk": _scenario_checkpointed_trunk,
     "module trunk with dropout": _scenario_module_trunk,
+    "y reaches entries of losses inside the trunk": _scenario_y_reaches_entries_of_losses_inside_the_trunk,
+    "y reaches entries of losses inside a trunk walked before": functools.partial(
+        _scenario_y_reaches_entries_of_losses_inside_the_trunk, walk_left=True),
 }
 
 
