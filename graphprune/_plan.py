@@ -1184,8 +1184,11 @@ def _may_make_zeros_nonzero(nodes) -> bool:
     on a GPU with one wait at the end of the pass. Seen: a node a ``register_hook``
     call under ``track()`` marked, one whose live tensor graphprune knows has hooks,
     a custom ``Function``'s node (a module's backward hooks, a checkpoint, a compiled
-    region among them); not seen: a hook registered outside ``track()`` on a tensor
-    that has died since, and ``Node`` hooks.
+    region among them); not seen: a hook on a tensor made after the ``track()`` block,
+    or registered outside it on a tensor that has died since, and ``Node`` hooks. On the
+    CPU a released node reads its gradients all the same, so what is not seen raises
+    there (NOTE [ Zeros read where reading is free ] in ``_zero.py``); on a GPU it
+    would give the released node's zeros where plain PyTorch gives the hook's gradient.
     """
     nodes = list(nodes)
     if any(getattr(type(node), "_forward_cls", None) is not None or is_hooked(node) for node in nodes):

@@ -47,12 +47,44 @@ Reading a gradient's values (``g.any()``) on a GPU waits for the device: one
 host-device synchronisation per released node a pass runs. So a pass of
 graphprune's (``gp.backward``, ``gp.grad``, the per-loss helpers) marks before it
 runs the released nodes that gradient routing (NOTE [ Gradient routing ]) says only
-zeros reach (head 0 in ``losses[1]``'s pass): their pre-hook checks nothing. Where
+zeros reach (head 0 in ``losses[1]``'s pass): their pre-hook waits for nothing
+(NOTE [ Zeros read where reading is free ]). Where
 a released node may get a non-zero gradient, the check stays: on the CPU at once; on
 other devices deferred, each gradient's ``any()`` kept on its device and read once,
 all together, when the pass ends (``queue_callback``), which then raises
 :class:`ReleasedTensorError` if one was not zero. A deferred check cannot stop the
 pass midway: the ``.grad`` it wrote is then not to be used (the error says so).
+
+NOTE [ Zeros read where reading is free ]
+Routing knows zeros only where nothing between the pass's roots and the node makes
+them non-zero, and some of what does is out of graphprune's sight: a hook on a tensor
+made after the ``track()`` block, a ``Node`` hook (``grad_fn.register_hook``, the old
+``Module.register_backward_hook``) above the node (NOTE [ Zeros that may not stay
+zeros ] in ``_plan.py``). On the CPU reading a value waits for nothing, so a released
+node's pre-hook reads its gradients there even where routing says they are zeros, and
+raises where one is not: a wrong routing guess is an error, never a wrong gradient.
+On other devices the node's gradients are trusted there, as the read would wait for
+the device at every released node.
+
+NOTE [ Zeros whose derivative is not zero ]
+A pass with ``create_graph=True`` builds a graph of its gradients. A gradient that is
+zero by its value but depends on tensors that require grad (``c * losses`` with the
+weight ``c[0]`` at 0, GradNorm's learnt weights) has a derivative that need not be
+zero (``d(c[0] * g)/dc[0] = g``), and the node's backward would carry it on using its
+saved tensors: zeros in its place would make the next pass's gradient (``c.grad``)
+wrong. So such a gradient counts as non-zero and raises, unless routing knows it is
+zero by construction (an entry a ``stack`` gives no gradient to: zero whatever the
+tensors it depends on, its derivative too).
+
+NOTE [ Pre-hooks after the guard ]
+The engine calls a node's pre-hooks in the order they were registered. The guard's is
+registered the first time a pass runs the node, so a ``Node.register_prehook`` call
+made after that runs after the guard and may make the gradient it checked non-zero
+(gradient noise added at a node). The zeroing post-hook sees the gradients every
+pre-hook left (``grad_outputs``): where the node has pre-hooks besides the guard (its
+dict of them is left in the node's metadata when the guard is registered), it checks
+them again there, after the kernel has run on the placeholders, before anything
+reads its outputs.
 """
 
 from __future__ import annotations
@@ -83,14 +115,21 @@ def _zero_or_raise(grad_outputs) -> None:
     key = (id(node), task)
     with _lock:
         known = key in _zero_pass  # NOTE [ Zeros known without looking ]
+    grads = [g for g in grad_outputs if g is not None]
+    immediate = not grads or grads[0].device.type in IMMEDIATE
     if not known:
-        grads = [g for g in grad_outputs if g is not None]
-        if grads and grads[0].device.type not in IMMEDIATE:
-            _defer(node, task, grads)
-        elif _any_nonzero(node, grads):
+        if immediate and _any_nonzero(node, grads):
             raise ReleasedTensorError(released_message(node, _released_by(node)))
+        if any(g.requires_grad for g in grads):  # NOTE [ Zeros whose derivative is not zero ]
+            raise ReleasedTensorError(released_message(node, _released_by(node)) + _DIFFERENTIABLE)
+        if not immediate:
+            _defer(node, task, grads)
         with _lock:
             _zero_pass.add(key)
+    elif immediate and _read_nonzero(grads):  # NOTE [ Zeros read where reading is free ]
+        with _lock:
+            _zero_pass.discard(key)
+        raise ReleasedTensorError(released_message(node, _released_by(node)))
     md = node.metadata
     if _ZEROING not in md:
         with _registering:  # two threads' first zero passes through one node: one hook
@@ -120,12 +159,31 @@ def _register_zeroing(node) -> None:
 
 
 def _zero_outputs(grad_inputs, grad_outputs):
-    key = (id(torch._C._current_autograd_node()), torch._C._current_graph_task_id())
+    node = torch._C._current_autograd_node()
+    task = torch._C._current_graph_task_id()
+    key = (id(node), task)
     with _lock:
         if key not in _zero_pass:
             return None
         _zero_pass.discard(key)
+    hooks = node.metadata.get(_CHECKED)
+    if isinstance(hooks, dict) and len(hooks) > 1:  # NOTE [ Pre-hooks after the guard ]
+        grads = [g for g in grad_outputs if g is not None]
+        if grads and grads[0].device.type not in IMMEDIATE:
+            _defer(node, task, grads)
+        elif _any_nonzero(node, grads):
+            raise ReleasedTensorError(released_message(node, _released_by(node)))
     return tuple(None if g is None else torch.zeros_like(g) for g in grad_inputs)
+
+
+def _read_nonzero(grads) -> bool:
+    """Whether a gradient routing says is zero is not, where its values can be read:
+    a batched pass (vmap, ``is_grads_batched``) has none to read, and routing's word
+    stands there."""
+    try:
+        return any(bool(g.any()) for g in grads)
+    except RuntimeError:
+        return False
 
 
 def _any_nonzero(node, grads) -> bool:
@@ -169,7 +227,7 @@ def _check_deferred(task: int) -> None:
 
 def known_zero(nodes, task: int) -> list:
     """Mark ``nodes`` (released, wrappers) as reached by zeros only in graph task
-    ``task``: their pre-hook checks nothing. Returns the keys, for :func:`forget`."""
+    ``task``: their pre-hook reads nothing off the CPU. Returns the keys, for :func:`forget`."""
     keys = [(id(n), task) for n in nodes]
     with _lock:
         _zero_pass.update(keys)
@@ -200,11 +258,16 @@ def _first_run(grad) -> None:
     if _CHECKED not in md:
         with _registering:
             if _CHECKED not in md:
-                node.register_prehook(_zero_or_raise)
-                md[_CHECKED] = True
+                hooks = node.register_prehook(_zero_or_raise).hooks_dict_ref()
+                md[_CHECKED] = True if hooks is None else hooks  # NOTE [ Pre-hooks after the guard ]
 
 
-_CHECKED = "graphprune.checked"  # node.metadata key: its pre-hook is registered
+_CHECKED = "graphprune.checked"  # node.metadata key: its pre-hook is registered; the node's pre-hooks
+_DIFFERENTIABLE = (
+    " The pass builds a graph of its gradients (create_graph=True), and the gradient that reaches this "
+    "node depends on tensors that require grad: zero as it is (a loss weight that is 0 now), its "
+    "derivative need not be, and computing that needs the tensors this node saved."
+)
 
 
 def _probe() -> torch.Tensor:

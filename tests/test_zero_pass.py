@@ -94,6 +94,14 @@ def test_nonzero_gradient_into_released_node_still_raises():
         losses.sum().backward()  # head 0 gets ones: its tensors are gone
 
 
+@pytest.fixture
+def deferred(monkeypatch):
+    """The deferred check of devices other than the CPU, exercised on the CPU."""
+    from graphprune import _zero
+
+    monkeypatch.setattr(_zero, "IMMEDIATE", set())
+
+
 def _stacked_heads_one_released():
     w = torch.linspace(0.1, 0.9, 4).requires_grad_()
     with gp.track():
@@ -103,7 +111,8 @@ def _stacked_heads_one_released():
     return w, losses
 
 
-def test_a_pass_that_routing_says_sends_zeros_reads_no_gradient_value(monkeypatch):
+def test_a_pass_that_routing_says_sends_zeros_reads_no_gradient_value_off_the_cpu(monkeypatch, deferred):
+    # NOTE [ Zeros known without looking ]: on a GPU a read would wait for the device
     w, losses = _stacked_heads_one_released()
     reads = []
     real_any = torch.Tensor.any
@@ -114,6 +123,130 @@ def test_a_pass_that_routing_says_sends_zeros_reads_no_gradient_value(monkeypatc
     assert_close(w.grad, torch.ones(4))  # d/dw log(exp(w))
 
 
+def test_a_pass_that_routing_says_sends_zeros_reads_them_on_the_cpu(monkeypatch):
+    # NOTE [ Zeros read where reading is free ]: what routing cannot see still raises
+    w, losses = _stacked_heads_one_released()
+    reads = []
+    real_any = torch.Tensor.any
+    monkeypatch.setattr(torch.Tensor, "any", lambda self, *a, **k: reads.append(1) or real_any(self, *a, **k))
+    gp.backward(losses[1])
+    monkeypatch.undo()
+    assert reads
+    assert_close(w.grad, torch.ones(4))
+
+
+def _released_head_0_under(hook_it, prune=True):
+    """Head 0 of two stacked losses released by a pass of ``gp.backward`` (``prune``;
+    else plain PyTorch's retained pass), with ``hook_it(b)`` run on head 0's ``b``, made
+    after the ``track()`` block, as losses often are; then the pass from ``losses[1]``
+    (``gp.backward``'s, which routing tells that head 0 gets zeros only): its ``w.grad``."""
+    w = torch.linspace(0.1, 0.9, 4).requires_grad_()
+    with gp.track() if prune else contextlib.nullcontext():
+        x = w.exp()
+        a = x.sin()  # its node saves x: released
+    b = a * 3.0
+    hook_it(b)
+    losses = torch.stack([b.sum(), (x * x).sum()])
+    if prune:
+        gp.backward(losses[0])
+        w.grad = None
+        gp.backward(losses[1])  # routing: head 0 gets zeros only
+    else:
+        losses[0].backward(retain_graph=True)
+        w.grad = None
+        losses[1].backward(retain_graph=True)
+    return w.grad
+
+
+def _add_half(grads):
+    return tuple(None if g is None else g + 0.5 for g in grads)
+
+
+HOOKS_GRAPHPRUNE_CANNOT_SEE = {
+    "a tensor hook on a tensor made after the block": lambda b: b.register_hook(lambda g: g + 0.5),
+    "a Node post-hook above the released node": lambda b: b.grad_fn.register_hook(
+        lambda grad_inputs, grad_outputs: _add_half(grad_inputs)),
+}
+
+
+@pytest.mark.parametrize("name", sorted(HOOKS_GRAPHPRUNE_CANNOT_SEE))
+def test_a_hook_that_makes_a_routed_zero_nonzero_raises_not_a_wrong_gradient(name):
+    # reproduced in review: gp.backward(losses[1]) gave head 1's gradient alone, where plain
+    # PyTorch adds what the hook sent through head 0
+    hook_it = HOOKS_GRAPHPRUNE_CANNOT_SEE[name]
+    plain = _released_head_0_under(hook_it, prune=False)
+    assert not torch.equal(plain, _released_head_0_under(lambda b: None, prune=False))
+    with pytest.raises(gp.ReleasedTensorError, match="SinBackward0"):
+        _released_head_0_under(hook_it)
+
+
+def test_a_node_pre_hook_registered_after_the_guard_is_checked_after_it():
+    # NOTE [ Pre-hooks after the guard ]: a first zero pass registers the guard; a
+    # pre-hook registered after it runs after it, and makes the zeros non-zero
+    w = torch.linspace(0.1, 0.9, 4).requires_grad_()
+    losses, s = _pruned_head_0(w)
+    losses[1].backward(retain_graph=True)  # zeros into head 0: the guard is registered
+    s.grad_fn.register_prehook(_add_half)
+    with pytest.raises(gp.ReleasedTensorError, match="SinBackward0"):
+        losses[1].backward(retain_graph=True)
+
+
+def test_a_node_pre_hook_registered_after_the_guard_that_keeps_zeros_gives_plain_gradients():
+    w = torch.linspace(0.1, 0.9, 4).requires_grad_()
+    losses, s = _pruned_head_0(w)
+    losses[1].backward(retain_graph=True)
+    s.grad_fn.register_prehook(lambda grads: None)
+    w.grad = None
+    losses[1].backward(retain_graph=True)
+    assert_close(w.grad, 2 * w.detach().exp() ** 2)
+
+
+@pytest.mark.parametrize("call", ["torch.autograd.grad", "gp.grad"])
+def test_a_zero_gradient_that_depends_on_a_weight_raises_in_a_create_graph_pass(call):
+    # NOTE [ Zeros whose derivative is not zero ]: reproduced in review, a GradNorm-like
+    # step gave c.grad[0] == 0 where plain PyTorch gives the derivative through head 0
+    def step(prune):
+        w = torch.linspace(0.1, 0.9, 4).requires_grad_()
+        c = torch.tensor([0.0, 1.0], requires_grad=True)  # task 0's weight at 0
+        with gp.track() if prune else contextlib.nullcontext():
+            x = w.exp()
+            losses = torch.stack([x.sin().sum(), (x * x).sum()])
+        if prune:
+            gp.backward(losses[0])
+        else:
+            losses[0].backward(retain_graph=True)
+        grad = gp.grad if prune and call == "gp.grad" else torch.autograd.grad
+        kwargs = {"keep": losses} if grad is gp.grad else {"retain_graph": True}
+        (g,) = grad((c * losses).sum(), w, create_graph=True, **kwargs)
+        g.norm().backward()
+        return c.grad
+
+    assert step(prune=False)[0] != 0  # the derivative through head 0
+    with pytest.raises(gp.ReleasedTensorError, match="create_graph=True"):
+        step(prune=True)
+
+
+def test_a_create_graph_pass_that_routing_says_sends_zeros_gives_plain_gradients():
+    # an entry a stack gives no gradient to is zero whatever it depends on, its derivative too
+    def step(prune):
+        w = torch.linspace(0.1, 0.9, 4).requires_grad_()
+        with gp.track() if prune else contextlib.nullcontext():
+            x = w.exp()
+            losses = torch.stack([x.sin().sum(), (x * x).sum()])
+        if prune:
+            gp.backward(losses[0])
+            (g,) = gp.grad(losses[1], w, create_graph=True, keep=losses[1])
+        else:
+            losses[0].backward(retain_graph=True)
+            (g,) = torch.autograd.grad(losses[1], w, create_graph=True, retain_graph=True)
+        w.grad = None
+        g.sum().backward()
+        return g.detach(), w.grad
+
+    for got, want in zip(step(prune=True), step(prune=False)):
+        assert_close(got, want)
+
+
 def test_a_plain_pass_still_checks_released_nodes_for_zeros(monkeypatch):
     w, losses = _stacked_heads_one_released()
     reads = []
@@ -122,14 +255,6 @@ def test_a_plain_pass_still_checks_released_nodes_for_zeros(monkeypatch):
     losses[1].backward(retain_graph=True)  # not graphprune's pass: no routing known, the data check runs
     monkeypatch.undo()
     assert reads
-
-
-@pytest.fixture
-def deferred(monkeypatch):
-    """The deferred check of devices other than the CPU, exercised on the CPU."""
-    from graphprune import _zero
-
-    monkeypatch.setattr(_zero, "IMMEDIATE", set())
 
 
 def test_deferred_check_lets_zero_passes_through_and_gives_plain_gradients(deferred):
