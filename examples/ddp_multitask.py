@@ -14,6 +14,7 @@ import argparse
 import copy
 import gc
 import os
+import sys
 
 import torch
 import torch.distributed as dist
@@ -98,7 +99,7 @@ def train(how: str, steps: int, verbose: bool) -> float:
         if verbose:
             freed = ", ".join(f"pass {i}: {r.released_node_count} node(s), {r.bytes_freed} B freed"
                               for i, r in enumerate(reports))
-            print(f"[{how}] step {step}: losses {[round(t.item(), 4) for t in losses]}; {freed}")
+            say(f"[{how}] step {step}: losses {[round(t.item(), 4) for t in losses]}; {freed}")
         # Reference: every rank's data in one process, one plain pass (DDP averages ranks).
         ref = [sum(ts) / world for ts in zip(*(task_losses(reference, batch(step, r)) for r in range(world)))]
         sum(ref).backward()
@@ -110,6 +111,14 @@ def train(how: str, steps: int, verbose: bool) -> float:
         torch.testing.assert_close(got, q.detach(), msg=lambda m, name=name: f"rank {rank}, {name}: {m}")
         worst = max(worst, (got - q.detach()).abs().max().item())
     return worst
+
+
+def say(line: str) -> None:
+    """Print ``line`` in one write: the ranks share one stdout, and unbuffered (torchrun's
+    workers may be), ``print`` writes a line and its newline apart, so another rank's line
+    could land between them."""
+    sys.stdout.write(line + "\n")
+    sys.stdout.flush()
 
 
 def main(argv=None) -> None:
@@ -124,8 +133,8 @@ def main(argv=None) -> None:
         rank = dist.get_rank()
         for how in args.wrap.split(","):
             worst = train(how, args.steps, verbose=rank == 0)
-            print(f"[{how}] rank {rank}: {args.steps} steps, parameters equal the single-process "
-                  f"reference (max difference {worst:.1e})", flush=True)
+            say(f"[{how}] rank {rank}: {args.steps} steps, parameters equal the single-process "
+                f"reference (max difference {worst:.1e})")
     finally:
         gc.collect()  # DDP's reducer lives in reference cycles: let it go while the group is up
         dist.destroy_process_group()

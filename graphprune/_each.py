@@ -81,6 +81,9 @@ def backward_each(losses, *, keep=None, strategy: str = "cut") -> list[PruneRepo
     cut ]): one trunk pass in all, holding those gradients (one per tap depth) until
     it runs. ``strategy="passes"`` runs each loss's whole pass, the trunk kept until
     the last: T trunk passes, nothing held between them. The last report names it.
+    With callables, ``"cut"`` runs the trunk after the last of them: one that changes
+    trunk parameters or their ``.grad`` in place needs ``"passes"``, which runs the
+    trunk after each head as the loop does.
 
     A loss that is a leaf (a placeholder ``torch.zeros((), requires_grad=True)`` for a
     task without labels in the batch) has no graph: its pass writes its ``.grad``, as

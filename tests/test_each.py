@@ -1083,3 +1083,40 @@ def test_grads_each_at_an_intermediate_with_keep_releases_what_keep_does_not_nam
     gp.grads_each(losses, [z], keep=[])
     with pytest.raises(gp.ReleasedTensorError):
         z.backward(torch.ones_like(z))
+
+
+@pytest.mark.parametrize("change", ["a weight under no_grad", "the accumulated .grad"])
+def test_passes_runs_the_trunk_after_each_callable_as_the_loop_does(change):
+    # README: with callables, "cut" runs the trunk after the last of them; a callable that
+    # changes trunk state in place needs strategy="passes", which gives the loop's .grad
+    def step(plain):
+        torch.manual_seed(0)
+        inp = torch.randn(3, 4)
+        wa, wb = torch.randn(4, 4, requires_grad=True), torch.randn(4, 4, requires_grad=True)
+        wh0, wh1 = torch.randn(4, requires_grad=True), torch.randn(4, requires_grad=True)
+        wa.grad = torch.zeros(4, 4)
+
+        def touch():
+            with torch.no_grad():
+                (wb if change == "a weight under no_grad" else wa.grad).mul_(0.5)
+
+        with contextlib.nullcontext() if plain else gp.track():
+            x1 = (inp @ wa).tanh()
+            x2 = (x1 @ wb).tanh()
+
+            def head0():
+                return (x2 * wh0).sum()
+
+            def head1():
+                touch()
+                return (x1 * wh1).sin().sum()
+
+            if plain:
+                head0().backward(retain_graph=True)
+                head1().backward(retain_graph=True)
+            else:
+                gp.backward_each([head0, head1], strategy="passes")
+        return wa.grad, wh0.grad, wh1.grad
+
+    for got, want in zip(step(plain=False), step(plain=True)):
+        assert_close(got, want)
