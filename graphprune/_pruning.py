@@ -89,7 +89,10 @@ class Pruning(TorchFunctionMode):
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        signature = _SIGNATURES.get(func)
+        try:
+            signature = _SIGNATURES.get(func)
+        except TypeError:  # an unhashable callable that overrides (a dataclass instance): no pass
+            signature = None
         if signature is None:
             return func(*args, **kwargs)
         call = "Tensor.backward" if func is torch.Tensor.backward else f"torch.autograd.{func.__name__}"

@@ -147,7 +147,10 @@ def _record(func, args, kwargs, call, frame):
     """Make the call through ``call`` (the caller's call site) and note what it made."""
     if func is _SETITEM and args and type(args[0]) is _Tensor:
         return _call_setitem(call, func, args, kwargs, frame)
-    inplace = _inplace_funcs.get(func)
+    try:
+        inplace = _inplace_funcs.get(func)
+    except TypeError:  # an unhashable callable that overrides (a dataclass instance): plain PyTorch never
+        inplace = _is_inplace(func)  # hashes it; asked at each call, never cached
     if inplace is None:
         inplace = _is_inplace(func)
         if _lives_on(func):  # not a user's function or bound method made per call: its captures would stay

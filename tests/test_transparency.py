@@ -1469,3 +1469,40 @@ def test_a_torch_call_takes_a_few_frames_of_the_recursion_limit():
     assert plain.value - 8 <= tracked.value < plain.value
     with gp.track():  # and the recorder is whole after it
         assert torch.ones(1).neg().item() == -1
+
+
+class _UnhashableScale:
+    """An overridable callable that cannot be hashed (as a ``@dataclass`` with ``eq=True``
+    is): plain PyTorch's dispatch never hashes it."""
+
+    __hash__ = None
+
+    def __init__(self, k: float) -> None:
+        self.k = k
+
+    def __call__(self, t):
+        if torch.overrides.has_torch_function_unary(t):
+            return torch.overrides.handle_torch_function(self, (t,), t)
+        return t * self.k
+
+    def shift(self, t):
+        if torch.overrides.has_torch_function_unary(t):
+            return torch.overrides.handle_torch_function(self.shift, (t,), t)
+        return t + self.k
+
+
+@pytest.mark.parametrize("block", ["track", "pruning"])
+def test_an_unhashable_overridable_function_runs_as_in_plain_pytorch(block):
+    # reproduced in review: the recorder looked the function up in a dict, TypeError
+    def run():
+        s = _UnhashableScale(2.0)
+        x = torch.ones(2, requires_grad=True)
+        y = s(x) * s.shift(x)
+        y.sum().backward()
+        return y.detach(), x.grad
+
+    want = run()
+    with gp.track() if block == "track" else gp.pruning():
+        got = run()
+    for g, w in zip(got, want):
+        assert_close(g, w)
