@@ -1506,3 +1506,48 @@ def test_an_unhashable_overridable_function_runs_as_in_plain_pytorch(block):
         got = run()
     for g, w in zip(got, want):
         assert_close(g, w)
+
+
+def _traced_calls(fn) -> list[str]:
+    """The names of the Python functions ``fn()`` calls in this file, as a tracer sees them."""
+    seen = []
+
+    def tracer(frame, event, arg):
+        if event == "call" and frame.f_code.co_filename == __file__:
+            seen.append(frame.f_code.co_name)
+        return None
+
+    sys.settrace(tracer)
+    try:
+        fn()
+    finally:
+        sys.settrace(None)
+    return seen
+
+
+def test_a_tracer_sees_the_call_site_function_at_the_callers_line():
+    # README: a debugger or line tracer sees each torch call's line twice
+    x = torch.ones(2, requires_grad=True)
+
+    def work():
+        return torch.sin(x)
+
+    assert _traced_calls(work) == ["work"]
+    with gp.track():
+        assert _traced_calls(work) == ["work", "_graphprune_call"]
+
+
+def test_a_function_compiled_outside_track_compiles_once_more_inside():
+    # README: Dynamo guards the torch-function mode stack; later calls reuse both graphs
+    from torch._dynamo.utils import counters
+
+    torch._dynamo.reset()
+    f = torch.compile(lambda t: (t.sin() * 2).sum(), backend="eager")
+    x = torch.ones(3, requires_grad=True)
+    f(x)
+    before = counters["stats"]["unique_graphs"]
+    with gp.track():
+        f(x)
+        f(x)
+    f(x)
+    assert counters["stats"]["unique_graphs"] == before + 1
