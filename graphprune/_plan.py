@@ -1126,6 +1126,9 @@ _UNSEEN = (" That call's output was made after the track() block (or is a custom
            "graphprune.track():`.")
 
 
+_HINT_PIECES = 64  # a hint names the entries of a vector that reach a node, of one with at most these
+
+
 def _part_reaching(t: torch.Tensor, part, node):
     """``(size of the walk, support)`` of what of ``part`` of ``t`` has a graph that
     reaches ``node``, or ``None``."""
@@ -1133,7 +1136,8 @@ def _part_reaching(t: torch.Tensor, part, node):
     if fn is None:
         return None
     router = _is_router(fn)
-    pieces = [part] if part is ALL or not router else [(part[0], frozenset((i,))) for i in sorted(part[1])]
+    one_by_one = router and part is not ALL and len(part[1]) <= _HINT_PIECES  # a walk per entry
+    pieces = [(part[0], frozenset((i,))) for i in sorted(part[1])] if one_by_one else [part]
     hits, size = [], 0
     for piece in pieces:
         walked = reach([fn], supports={fn: {t.output_nr: piece}} if router else None)

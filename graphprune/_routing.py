@@ -18,6 +18,20 @@ tensors: no unpack hook runs) and ``_input_metadata`` (the shapes of the node's
 forward outputs). ``CopySlices`` exposes no geometry: the output recorder stamps
 the index ``Tensor.__setitem__`` wrote on it (:func:`stamp_setitem`). A rule that
 cannot read what it needs passes ``ALL`` to every child.
+
+NOTE [ Long dims are not routed ]
+A support names its indices one by one (a ``frozenset``: ~64 bytes an index), and a
+walk leaves supports on the nodes it met (the trunk's walk, the finished marks of
+live vectors). Losses gathered into a vector have a few to a few hundred entries; a
+slice of a long feature (``y[: n // 2]`` of a million-entry ``y``) would make sets of a
+million indices at each prune, seconds of work and tens of MiB held with the graph.
+So a slice, a split or an item assignment along a dim of more than
+``ROUTED_AT_MOST`` entries is not routed, as an op the walk does not know is not: it
+counts as a pass through every entry (a later pass from another part of it is
+protected while its loss lives, and meets a released node otherwise: an error that
+names ``keep=``, never a wrong gradient). A ``select`` names one index, and is routed
+on any dim; what is left of a long vector after a pass took some of its entries is
+the whole vector (``complement``), which stays protected whole while it is pending.
 """
 
 from __future__ import annotations
@@ -29,10 +43,11 @@ import numpy as np
 import torch
 
 __all__ = [
-    "ALL", "NOTHING", "WRITTEN", "rule_for", "merge", "widen", "overlap", "every_output", "complement",
-    "stamp_setitem", "index_text",
+    "ROUTED_AT_MOST", "ALL", "NOTHING", "WRITTEN", "rule_for", "merge", "widen", "overlap", "every_output",
+    "complement", "stamp_setitem", "index_text",
 ]
 
+ROUTED_AT_MOST = 4096  # entries of a dim a support names one by one: NOTE [ Long dims are not routed ]
 ALL = None  # the support "any element may be non-zero"
 NOTHING = ()  # the support "every element is zero"
 WRITTEN = "graphprune.written"  # CopySlices metadata: (dim, indices written, size along dim)
@@ -82,7 +97,7 @@ def complement(support, size: int):
     nothing is left, ``ALL`` if the support was ``NOTHING``)."""
     if support is ALL:
         return NOTHING
-    if support == NOTHING:
+    if support == NOTHING or size > ROUTED_AT_MOST:  # NOTE [ Long dims are not routed ]
         return ALL
     rest = frozenset(range(size)) - support[1]
     return (support[0], rest) if rest else NOTHING
@@ -129,6 +144,8 @@ def _slice(node, supports):
     bounds = slice(_signed(node._saved_start), _signed(node._saved_end), node._saved_step)
     picked = range(*bounds.indices(sizes[d]))
     incoming = _along(supports, d)
+    if incoming is None and sizes[d] > ROUTED_AT_MOST:  # NOTE [ Long dims are not routed ]
+        return _every_child(node)
     if incoming is not None:
         indices = frozenset(picked[i] for i in incoming if i < len(picked))
     else:
@@ -149,6 +166,8 @@ def _split(node, supports):
     else:
         step = node._saved_split_size
         parts = [min(step, sizes[d] - start) for start in range(0, sizes[d], step)]
+    if sizes[d] > ROUTED_AT_MOST:  # NOTE [ Long dims are not routed ]
+        return _every_child(node)
     offsets = [sum(parts[:k]) for k in range(len(parts))]
     indices = set()
     for k, support in supports.items():  # a part keeps the input's dims: an index along d shifts
@@ -186,6 +205,8 @@ def _copy_slices(node, supports):
         return _every_child(node)
     d, indices, size = written
     incoming = _along(supports, d)
+    if incoming is None and size > ROUTED_AT_MOST:  # NOTE [ Long dims are not routed ]
+        return _every_child(node)
     wanted = frozenset(range(size)) if incoming is None else incoming
     out = []
     pairs = node.next_functions
@@ -271,6 +292,8 @@ def _written(key, shape: tuple):
         if isinstance(k, slice) and k == slice(None):
             d += 1
             continue
+        if shape[d] > ROUTED_AT_MOST:  # NOTE [ Long dims are not routed ]
+            return None
         try:
             if not isinstance(k, slice):
                 if isinstance(k, (bool, np.bool_, torch.Tensor)) or not hasattr(k, "__index__"):
