@@ -76,6 +76,17 @@ wrong. So such a gradient counts as non-zero and raises, unless routing knows it
 zero by construction (an entry a ``stack`` gives no gradient to: zero whatever the
 tensors it depends on, its derivative too).
 
+NOTE [ Backwards that run a pass ]
+A node's backward computes its outputs from its saved tensors and its gradients, so
+zeros in place of the outputs it computed from placeholders are what plain PyTorch
+gives. A reentrant ``checkpoint``'s does more: it recomputes its region from its saved
+inputs and runs a pass of its own, which writes the region's parameters' ``.grad``
+(NaN from ``log`` of a zero placeholder) and its BatchNorm's running statistics. So a
+zero-gradient pass that reaches a released reentrant checkpoint raises, before the
+node runs. A custom ``Function`` of yours whose backward does more than compute its
+gradients (writes state, runs a pass) is run on the placeholders: graphprune cannot
+tell.
+
 NOTE [ Pre-hooks after the guard ]
 The engine calls a node's pre-hooks in the order they were registered. The guard's is
 registered the first time a pass runs the node, so a ``Node.register_prehook`` call
@@ -92,6 +103,7 @@ from __future__ import annotations
 import threading
 
 import torch
+from torch.utils.checkpoint import CheckpointFunction
 
 from ._marks import GUARDED, RELEASED
 from .errors import ReleasedTensorError, released_message
@@ -130,6 +142,10 @@ def _zero_or_raise(grad_outputs) -> None:
         with _lock:
             _zero_pass.discard(key)
         raise ReleasedTensorError(released_message(node, _released_by(node)))
+    if getattr(type(node), "_forward_cls", None) is _REENTRANT:  # NOTE [ Backwards that run a pass ]
+        with _lock:
+            _zero_pass.discard(key)
+        raise ReleasedTensorError(released_message(node, _released_by(node)) + _PYTHON_BACKWARD)
     md = node.metadata
     if _ZEROING not in md:
         with _registering:  # two threads' first zero passes through one node: one hook
@@ -263,6 +279,14 @@ def _first_run(grad) -> None:
 
 
 _CHECKED = "graphprune.checked"  # node.metadata key: its pre-hook is registered; the node's pre-hooks
+_PYTHON_BACKWARD = (
+    " The pass sends it a zero gradient, but it is a reentrant checkpoint's node, whose backward recomputes "
+    "its region from the released inputs and runs a pass of its own into the region's .grad and buffers: "
+    "graphprune does not run it on placeholders. Pass keep= to that call, or use "
+    "checkpoint(..., use_reentrant=False), whose region graphprune does not release."
+)
+_REENTRANT = CheckpointFunction  # a reentrant checkpoint's Function
+_COMPILED = "CompiledFunctionBackward"  # a torch.compile'd region's node
 _DIFFERENTIABLE = (
     " The pass builds a graph of its gradients (create_graph=True), and the gradient that reaches this "
     "node depends on tensors that require grad: zero as it is (a loss weight that is 0 now), its "
@@ -291,8 +315,10 @@ def placeholder(shape, dtype: torch.dtype, device, node) -> torch.Tensor:
     """What released ``node`` (running now) gets in a zero-gradient pass instead of
     its tensor. Integer tensors are indices (valid as 0 along any dim that is not
     empty; 1 is out of range on a dim of size 1), except the 1-based LU pivots of a
-    node that saves ``pivots``."""
-    if dtype.is_floating_point or dtype.is_complex:
+    node that saves ``pivots``. A compiled region's backward checks the strides of what
+    it saved (inductor's ``assert_size_stride``): its placeholders are contiguous zeros,
+    as what it saved most often is."""
+    if (dtype.is_floating_point or dtype.is_complex) and type(node).__name__ != _COMPILED:
         return torch.zeros((), dtype=dtype, device=device).expand(shape)
     if hasattr(type(node), "_raw_saved_pivots"):
         return torch.ones(shape, dtype=dtype, device=device)

@@ -618,3 +618,48 @@ def test_a_pass_a_hook_runs_during_gp_backward_sends_its_zeros_through_what_that
     expected = run(lambda loss: loss.backward(retain_graph=True))
     for got, want in zip(run(gp.backward), expected):
         assert_close(got, want)
+
+
+def _checkpointed_head_0(use_graphprune: bool):
+    """Stacked losses whose head 0 is a reentrant checkpoint of ``log`` (a zero
+    placeholder makes it -inf) and a linear layer; head 0's pass, then ``L[1]``'s."""
+    from torch.utils.checkpoint import checkpoint
+
+    torch.manual_seed(0)
+    trunk, h0, h1 = torch.nn.Linear(4, 4), torch.nn.Linear(4, 1), torch.nn.Linear(4, 1)
+    with gp.track() if use_graphprune else contextlib.nullcontext():
+        x = torch.sigmoid(trunk(torch.randn(3, 4)))
+        l0 = checkpoint(lambda z: h0(z.log()), x, use_reentrant=True).pow(2).mean()
+        losses = torch.stack([l0, h1(x).exp().mean()])
+    if use_graphprune:
+        gp.backward(losses[0])
+    else:
+        losses[0].backward(retain_graph=True)
+    return losses, h0
+
+
+def test_a_zero_pass_into_a_released_reentrant_checkpoint_raises_before_it_recomputes():
+    # NOTE [ Backwards that run a pass ]: reproduced in review, the recomputation on
+    # placeholders ran a pass of its own that wrote NaN into the region's .grad
+    losses, h0 = _checkpointed_head_0(use_graphprune=True)
+    before = h0.weight.grad.clone()
+    with pytest.raises(gp.ReleasedTensorError, match="reentrant checkpoint"):
+        gp.backward(losses[1])
+    assert_close(h0.weight.grad, before)
+    plain, h0_plain = _checkpointed_head_0(use_graphprune=False)
+    plain[1].backward()
+    assert_close(h0_plain.weight.grad, before)  # plain PyTorch adds zeros to it
+
+
+def test_a_compiled_regions_placeholder_has_the_strides_of_a_contiguous_tensor():
+    # inductor's backward asserts the strides of what it saved: a zero-stride placeholder
+    # failed a zero pass through a released compiled head (AssertionError, found in review)
+    from graphprune import _zero
+
+    w = torch.ones(3, requires_grad=True)
+    node = torch.compile(lambda t: (t * t).sin(), backend="aot_eager")(w).grad_fn
+    assert type(node).__name__ == "CompiledFunctionBackward"
+    p = _zero.placeholder(torch.Size([2, 3]), torch.float32, torch.device("cpu"), node)
+    assert p.stride() == (3, 1) and not p.any()
+    q = _zero.placeholder(torch.Size([2, 3]), torch.float32, torch.device("cpu"), w.sin().grad_fn)
+    assert q.stride() == (0, 0)
