@@ -703,12 +703,15 @@ def _lazy_heads(items: list[Callable], call: str):
         start = torch._C._autograd._get_sequence_nr()
         with track():
             loss = build()
+        end = torch._C._autograd._get_sequence_nr()
         _check_loss(loss, f"losses[{i}]()", call)
         if loss.grad_fn is None:
             yield _Head(loss, [], [], stop="leaf")
             continue
-        cut, leaves, lower, stop = _cut(loss, lambda node, start=start: (
-            not is_accumulator(node) and node._sequence_nr() < start))
+        # the callable's nodes are numbered from start to end by this thread's counter; a trunk another
+        # thread built is numbered by that thread's, above or below: not between, but by chance
+        cut, leaves, lower, stop = _cut(loss, lambda node, start=start, end=end: (
+            not is_accumulator(node) and not start <= node._sequence_nr() < end))
         yield _Head(loss, cut, [(e.node, None, _TRUNK_REASON.format(call=call)) for e in cut], leaves, lower,
                     stop)
 

@@ -802,10 +802,11 @@ def _classify(nodes, protected: dict) -> _Part:
             if key is _BRANCH:
                 if live:  # no boolean mask released: NOTE [ Masks stay ] in _zero.py
                     if len(live) == 1:
-                        if live[0].tensor.dtype is not _BOOL:
+                        t = live[0].tensor  # None: another thread released it since
+                        if t is not None and t.dtype is not _BOOL:
                             by_node[node] = live
                     else:
-                        live = [h for h in live if h.tensor.dtype is not _BOOL]
+                        live = [h for h in live if (t := h.tensor) is not None and t.dtype is not _BOOL]
                         if live:
                             by_node[node] = live
                 continue
@@ -899,8 +900,9 @@ def _graph_owned(groups_by_reason) -> set[int]:
     for groups in groups_by_reason:
         for live in groups:
             for h in live:
-                if h.leaf and not h.tensor.requires_grad:
-                    by_tensor.setdefault(id(h.tensor), []).append(h)
+                t = h.tensor  # None: released since it was found live (another thread's prune)
+                if h.leaf and t is not None and not t.requires_grad:
+                    by_tensor.setdefault(id(t), []).append(h)
     return {key for key, group in by_tensor.items() if not held_elsewhere(group)}
 
 

@@ -31,6 +31,8 @@ def storages(handles, grouped: bool = True) -> dict:
     view_bytes: dict[int, int] = {}
     for h in handles:
         t = h.tensor
+        if t is None:  # released since it was found live: another thread's prune or pass
+            continue
         try:  # storage_of's common cases, without the call
             if h.view:
                 key = address(t)

@@ -1120,3 +1120,45 @@ def test_passes_runs_the_trunk_after_each_callable_as_the_loop_does(change):
 
     for got, want in zip(step(plain=False), step(plain=True)):
         assert_close(got, want)
+
+
+@pytest.mark.parametrize("call", ["backward_each", "grads_each"])
+def test_heads_as_callables_on_a_trunk_another_thread_built(call):
+    # autograd numbers nodes per thread: the trunk was taken for the first head's part, and
+    # that head's pass released it (reproduced in review, every time)
+    import threading
+
+    torch.manual_seed(0)
+    w0, h0 = torch.randn(4), [torch.randn(4) for _ in range(3)]
+    w, heads = w0.clone().requires_grad_(), [h.clone().requires_grad_() for h in h0]
+    for _ in range(200):  # this thread's node numbers run far above a new thread's
+        (w * 2).sum()
+    with gp.track():
+        x = w.exp().sin()
+    callables = [lambda h=h: (x * h).cos().sum() for h in heads]
+    out = {}
+
+    def work():
+        try:
+            if call == "backward_each":
+                gp.backward_each(callables)
+                out["got"] = [w.grad, *(h.grad for h in heads)]
+            else:
+                out["got"] = [row[0] for row in gp.grads_each(callables, [w])]
+        except Exception as e:  # read below, in the test's thread
+            out["error"] = e
+
+    thread = threading.Thread(target=work)
+    thread.start()
+    thread.join()
+    assert "error" not in out, out.get("error")
+    wr, hr = w0.clone().requires_grad_(), [h.clone().requires_grad_() for h in h0]
+    xr = wr.exp().sin()
+    losses = [(xr * h).cos().sum() for h in hr]
+    if call == "backward_each":
+        sum(losses).backward()
+        want = [wr.grad, *(h.grad for h in hr)]
+    else:
+        want = [torch.autograd.grad(loss, wr, retain_graph=True)[0] for loss in losses]
+    for got, expected in zip(out["got"], want, strict=True):
+        assert_close(got, expected)

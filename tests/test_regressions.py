@@ -824,3 +824,20 @@ def test_records_of_outputs_held_for_a_step_under_one_long_tape_do_not_pile_up()
             h.sum().backward()  # a plain pass: no prune compacts the records
             del held, h
         assert len(_outputs._outputs) < 4 * 600
+
+
+def test_a_measure_skips_a_handle_another_thread_released_after_it_was_found_live():
+    # threads pruning heads of one trunk with keep=None: a plan's measure read h.tensor of a
+    # handle the other thread's prune had released meanwhile (AttributeError on None, found
+    # in review, 5-10% of such calls); the documented outcome is ReleasedTensorError at most
+    from graphprune import _plan, _report
+    from graphprune._saved import pack_hook, release_all
+
+    pack = pack_hook(0)
+    live = pack(torch.ones(4, requires_grad=True) * 2)
+    mask = pack(torch.zeros(3, dtype=torch.bool))  # a leaf without grad: graph-owned if alone
+    gone = pack(torch.ones(2, requires_grad=True) * 3)
+    found = [live, mask, gone]
+    release_all([gone], "another thread's prune")
+    assert list(_report.storages(found)) == list(_report.storages([live, mask]))
+    assert _plan._graph_owned([[found]]) <= {id(mask.tensor)}  # the released handle is not read
