@@ -150,6 +150,7 @@ class Session:
         self.fmt = fmt
         self.modules = modules
         self.timeline = gp.Timeline("this run") if svg_dir else None
+        self.own_timelines: list = []  # the script's own track(timeline=), which record its forwards then
         self.reports: list[PruneReport] = []
         self.calls = 0  # the calls that made a report: a per-loss helper's passes count one
         if svg_dir:
@@ -177,6 +178,8 @@ class Session:
     def _track(self, track):
         @functools.wraps(track)
         def tracked(*, timeline=None, modules=False):
+            if timeline is not None and not any(t is timeline for t in self.own_timelines):
+                self.own_timelines.append(timeline)
             return track(timeline=timeline or self.timeline, modules=modules or self.modules)
 
         return tracked
@@ -226,8 +229,12 @@ class Session:
         text = f"graphprune explain: {self.calls} call(s){passes}, {format_bytes(freed)} freed in all"
         if self.timeline is not None and self.timeline.events:
             path = os.path.join(self.svg_dir, f"timeline.{'svg' if self.fmt == 'dot' else self.fmt}")
-            gp.plot_timeline([self.timeline], path)
-            text += f"; memory timeline: {path}"
+            # the run's timeline holds the calls' marks; a block that passed its own timeline recorded
+            # its saved tensors there instead: the picture is of those, or the run's would read 0 B
+            gp.plot_timeline(self.own_timelines or [self.timeline], path)
+            text += f"; memory timeline: {path}" + (" (the script's own timeline)" if len(
+                self.own_timelines) == 1 else f" (the script's {len(self.own_timelines)} own timelines)"
+                if self.own_timelines else "")
         elif not self.reports:
             text += (" (the script made no prune_after/backward/grad/backward_each/grads_each call, "
                      "and no pruning() block routed one)")

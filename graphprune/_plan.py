@@ -891,6 +891,13 @@ def _supports(starts) -> dict:
     return out
 
 
+def _needs_no_grad(t) -> bool:
+    """Whether ``t`` is a tensor that needs no grad (``None``: a released handle's). A
+    function, so that no local name of the caller's holds the tensor: ``held_elsewhere``
+    counts references."""
+    return t is not None and not t.requires_grad
+
+
 def _graph_owned(groups_by_reason) -> set[int]:
     """``id``s of the tensors without a graph (a dropout mask, an RNN workspace: no
     grad, no ``grad_fn``) that nothing but the handles of these groups (lists of
@@ -900,17 +907,21 @@ def _graph_owned(groups_by_reason) -> set[int]:
     for groups in groups_by_reason:
         for live in groups:
             for h in live:
-                t = h.tensor  # None: released since it was found live (another thread's prune)
-                if h.leaf and t is not None and not t.requires_grad:
-                    by_tensor.setdefault(id(t), []).append(h)
+                if h.leaf and _needs_no_grad(h.tensor):  # None: another thread's prune released it since
+                    by_tensor.setdefault(id(h.tensor), []).append(h)
     return {key for key, group in by_tensor.items() if not held_elsewhere(group)}
 
 
 def _may_start_a_pass(fn, nr, part, t: torch.Tensor) -> bool:
     """A loss: a scalar; or losses gathered into one 1-d tensor (a ``stack``, ``cat`` or
     item assignment, or a slice of one), or what is left of them after a pass took
-    some (NOTE [ What keep=None protects ])."""
-    return part is not ALL or t.numel() == 1 or (t.dim() == 1 and _is_router(fn))
+    some (NOTE [ What keep=None protects ]). A ``cat`` gathers losses where it joins one
+    entry per input (``torch.cat([l.view(1) for l in losses])``): one of longer vectors
+    (``torch.cat([scores_real, scores_fake])``, held for a metric) gathers no losses."""
+    if part is not ALL or t.numel() == 1:
+        return True
+    return t.dim() == 1 and _is_router(fn) and (type(fn).__name__ != "CatBackward0" or (
+        len(fn.next_functions) == t.shape[0]))
 
 
 def _size_along(t: torch.Tensor, support) -> int:

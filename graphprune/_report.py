@@ -224,11 +224,21 @@ def nothing_released(call: str, strategy: str | None = None) -> PruneReport:
 
 
 def format_bytes(n: int) -> str:
-    for unit in ("B", "KiB", "MiB", "GiB"):
-        if abs(n) < 1024 or unit == "GiB":
-            return f"{n:.1f} {unit}" if unit != "B" else f"{n} B"
-        n /= 1024
-    raise AssertionError("unreachable")
+    """``n`` bytes in the largest unit that leaves at least 1 at one decimal.
+
+    Example::
+
+        >>> format_bytes(512), format_bytes(1536), format_bytes(1048575), format_bytes(3 << 30)
+        ('512 B', '1.5 KiB', '1.0 MiB', '3.0 GiB')
+    """
+    if abs(n) < 1024:
+        return f"{n} B"
+    value = n / 1024
+    for unit in ("KiB", "MiB"):
+        if abs(round(value, 1)) < 1024:  # 1048575 B is 1024.0 KiB at one decimal: 1.0 MiB
+            return f"{value:.1f} {unit}"
+        value /= 1024
+    return f"{value:.1f} GiB"
 
 
 def _untracked_below(mine: dict) -> dict:

@@ -300,3 +300,23 @@ def test_misuse_of_the_command_line_is_a_usage_error(tmp_path):
         assert proc.returncode == 2 and "usage: python -m graphprune" in proc.stderr, (argv, proc.stderr)
         assert said is None or said in proc.stderr
         assert "Traceback" not in proc.stderr and "ran" not in proc.stdout
+
+
+def test_a_script_that_passes_its_own_timeline_has_that_one_pictured(tmp_path, capsys):
+    # its block recorded its saved tensors on its own timeline: the run's, with the calls'
+    # marks only, was pictured "peak 0.0 MiB" (found in review)
+    import graphprune as gp
+    from graphprune import _cli
+
+    session = _cli.Session(str(tmp_path), "dot", False)
+    w = torch.ones(1 << 18, requires_grad=True)
+    mine = gp.Timeline("mine")
+    with session.patched():
+        with gp.track(timeline=mine):
+            x = w.exp()  # saves its output: 1 MiB
+        gp.backward(x.sin().sum())
+    assert mine.peak == 1 << 20 and session.timeline.peak == 0
+    session.summary()
+    assert "(the script's own timeline)" in capsys.readouterr().out
+    texts = ["".join(t.itertext()) for t in ET.parse(tmp_path / "timeline.svg").iter("{http://www.w3.org/2000/svg}text")]
+    assert "mine (peak 1.0 MiB)" in texts

@@ -3,6 +3,7 @@ tensor named once."""
 
 import weakref
 
+import pytest
 import torch
 
 import graphprune as gp
@@ -322,3 +323,17 @@ def test_one_function_in_two_files_is_described_at_each_ones_file(tmp_path, monk
     assert head_a.loss.__code__ == head_b.loss.__code__
     assert gp.explain(la, keep=lb).kept[0].reason.endswith("created at report_head_b.py:2")
     assert gp.explain(lb, keep=la).kept[0].reason.endswith("created at report_head_a.py:2")
+
+
+@pytest.mark.parametrize("head", ["sin", "mul3"])
+def test_bytes_kept_is_the_same_whichever_form_keep_takes(head):
+    # an input only the graph holds is the graph's memory: a local name that held it while
+    # the measure counted references made it "held elsewhere" on some paths (found in review)
+    w = torch.randn(64, 128, requires_grad=True)
+    with gp.track():
+        x = (torch.randn(8, 64) @ w).exp()  # mm saves its input (2048 B, only the graph's) and w
+        l1 = x.sin().sum() if head == "sin" else (x * 3).sum()
+        l2 = x.cos().sum()
+    kept = {form: gp.explain(l1, keep=k).bytes_kept
+            for form, k in {"None": None, "l2": l2, "x.grad_fn": x.grad_fn, "x": x}.items()}
+    assert kept == dict.fromkeys(kept, 8 * 64 * 4 + 8 * 128 * 4), kept

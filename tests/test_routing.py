@@ -438,3 +438,23 @@ def test_a_pass_from_a_slice_of_a_long_loss_vector_counts_as_one_through_every_e
         w.grad = None
         L[3:].sum().backward()
         assert_close(w.grad, 2 * w.detach().exp() * w.detach().exp().cos())
+
+
+@pytest.mark.parametrize("held", ["scores", "losses"])
+def test_a_cat_of_longer_vectors_held_for_a_metric_protects_nothing(held):
+    # reproduced in review: a GAN critic's scores joined for an accuracy metric were taken for
+    # a vector of losses, and kept the discriminator's graph while they lived
+    w = torch.randn(8, 8, requires_grad=True)
+    with gp.track():
+        s_real, s_fake = (torch.randn(16, 8) @ w).sin().sum(1), (torch.randn(16, 8) @ w).cos().sum(1)
+        if held == "scores":
+            kept = torch.cat([s_real, s_fake])  # 32 scores, not 2 losses
+        else:
+            kept = torch.cat([s_real.mean().view(1), s_fake.mean().view(1)])  # one entry per input: losses
+        loss_d = s_fake.mean() - s_real.mean()
+    report = gp.backward(loss_d)
+    if held == "scores":
+        assert report.released_tensors == 4 and report.kept == ()
+    else:
+        assert report.released_tensors == 0 and "kept" in report.kept[0].reason
+    del kept
