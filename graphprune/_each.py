@@ -47,7 +47,7 @@ from torch.autograd.graph import GradientEdge
 
 from . import _outputs, _routing
 from ._graph import FOREIGN, _is_router, is_accumulator, reach, saved
-from ._marks import is_hooked
+from ._marks import is_function, is_hooked
 from ._plan import Plan, input_guards, listed, no_graph_reason
 from ._prune import _relabel, _remember, inputs_of_a_pass
 from ._report import PruneReport, nothing_released
@@ -422,7 +422,7 @@ def _hooked(heads) -> bool:
             leaf = node.variable
             if leaf._backward_hooks or getattr(leaf, "_post_accumulate_grad_hooks", None):
                 return True
-        elif _is_function(node, "BackwardHookFunction", "torch.nn.modules._functions"):
+        elif is_function(node, "BackwardHookFunction", "torch.nn.modules._functions"):
             return True  # a module's backward hooks
     if not _outputs.hooked_nodes().isdisjoint(lower):
         return True
@@ -774,18 +774,12 @@ def _stop(order: list, lower: set, cut: list[GradientEdge]) -> str:
     loss's gradient in a pass of its own and the other heads' sum in the last, adding
     up to the same.
     """
-    if any(_is_function(n, "CheckpointFunction", "torch.utils.checkpoint") for n in order if n not in lower):
+    if any(is_function(n, "CheckpointFunction", "torch.utils.checkpoint") for n in order if n not in lower):
         return "whole"
     for node in {e.node: None for e in cut}:
         if getattr(type(node), "_forward_cls", None) is not None or saved(node)[1] == FOREIGN:
             return "capture"
     return "inputs"
-
-
-def _is_function(node, name: str, module: str) -> bool:
-    """Whether ``node`` is the backward of the ``autograd.Function`` ``module.name``."""
-    forward = getattr(type(node), "_forward_cls", None)
-    return forward is not None and forward.__name__ == name and forward.__module__ == module
 
 
 def _close(lower: set, nodes) -> None:

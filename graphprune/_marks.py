@@ -10,7 +10,7 @@ import weakref
 
 __all__ = [
     "RELEASED", "FINISHED", "GUARDED", "STRAYS", "HOOKED", "node_name", "marking_released", "none_released",
-    "mark_hooked", "is_hooked",
+    "mark_hooked", "is_hooked", "is_function",
 ]
 
 RELEASED = "graphprune.released"  # lost saved tensors to a prune; the value says which call
@@ -82,3 +82,10 @@ def is_hooked(node) -> bool:
 def node_name(node) -> str:
     """``MulBackward0``, ``CopySlices`` (``node.name()`` without a C++ namespace)."""
     return "an autograd node" if node is None else node.name().rsplit("::", 1)[-1]
+
+
+def is_function(node, name: str, module: str) -> bool:
+    """Whether ``node`` is the backward of the ``autograd.Function`` ``module.name``
+    (told by name: no import of the module for it)."""
+    forward = getattr(type(node), "_forward_cls", None)
+    return forward is not None and forward.__name__ == name and forward.__module__ == module

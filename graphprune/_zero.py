@@ -103,9 +103,8 @@ from __future__ import annotations
 import threading
 
 import torch
-from torch.utils.checkpoint import CheckpointFunction
 
-from ._marks import GUARDED, RELEASED
+from ._marks import GUARDED, RELEASED, is_function
 from .errors import ReleasedTensorError, released_message
 
 __all__ = ["guard_released", "in_zero_pass", "placeholder", "known_zero", "forget", "IMMEDIATE"]
@@ -142,7 +141,7 @@ def _zero_or_raise(grad_outputs) -> None:
         with _lock:
             _zero_pass.discard(key)
         raise ReleasedTensorError(released_message(node, _released_by(node)))
-    if getattr(type(node), "_forward_cls", None) is _REENTRANT:  # NOTE [ Backwards that run a pass ]
+    if is_function(node, *_REENTRANT):  # NOTE [ Backwards that run a pass ]
         with _lock:
             _zero_pass.discard(key)
         raise ReleasedTensorError(released_message(node, _released_by(node)) + _PYTHON_BACKWARD)
@@ -285,7 +284,7 @@ _PYTHON_BACKWARD = (
     "graphprune does not run it on placeholders. Pass keep= to that call, or use "
     "checkpoint(..., use_reentrant=False), whose region graphprune does not release."
 )
-_REENTRANT = CheckpointFunction  # a reentrant checkpoint's Function
+_REENTRANT = ("CheckpointFunction", "torch.utils.checkpoint")  # a reentrant checkpoint's Function
 _COMPILED = "CompiledFunctionBackward"  # a torch.compile'd region's node
 _DIFFERENTIABLE = (
     " The pass builds a graph of its gradients (create_graph=True), and the gradient that reaches this "
