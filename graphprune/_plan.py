@@ -805,8 +805,9 @@ def _classify(nodes, protected: dict) -> _Part:
                         t = live[0].tensor  # None: another thread released it since
                         if t is not None and t.dtype is not _BOOL:
                             by_node[node] = live
-                    else:
-                        live = [h for h in live if (t := h.tensor) is not None and t.dtype is not _BOOL]
+                    else:  # getattr: a tensor of None is released, read once (a walrus here would
+                        # make t a cell variable, slower at every node of the loop)
+                        live = [h for h in live if getattr(h.tensor, "dtype", _BOOL) is not _BOOL]
                         if live:
                             by_node[node] = live
                 continue
@@ -891,13 +892,6 @@ def _supports(starts) -> dict:
     return out
 
 
-def _needs_no_grad(t) -> bool:
-    """Whether ``t`` is a tensor that needs no grad (``None``: a released handle's). A
-    function, so that no local name of the caller's holds the tensor: ``held_elsewhere``
-    counts references."""
-    return t is not None and not t.requires_grad
-
-
 def _graph_owned(groups_by_reason) -> set[int]:
     """``id``s of the tensors without a graph (a dropout mask, an RNN workspace: no
     grad, no ``grad_fn``) that nothing but the handles of these groups (lists of
@@ -907,7 +901,9 @@ def _graph_owned(groups_by_reason) -> set[int]:
     for groups in groups_by_reason:
         for live in groups:
             for h in live:
-                if h.leaf and _needs_no_grad(h.tensor):  # None: another thread's prune released it since
+                # no tensor (None): another thread's prune released it since; read with no local
+                # name holding it, as held_elsewhere counts its references
+                if h.leaf and not getattr(h.tensor, "requires_grad", True):
                     by_tensor.setdefault(id(h.tensor), []).append(h)
     return {key for key, group in by_tensor.items() if not held_elsewhere(group)}
 

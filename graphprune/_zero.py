@@ -129,22 +129,20 @@ def _zero_or_raise(grad_outputs) -> None:
     grads = [g for g in grad_outputs if g is not None]
     immediate = not grads or grads[0].device.type in IMMEDIATE
     if not known:
-        if immediate and _any_nonzero(node, grads):
-            raise ReleasedTensorError(released_message(node, _released_by(node)))
-        if any(g.requires_grad for g in grads):  # NOTE [ Zeros whose derivative is not zero ]
+        # NOTE [ Zeros whose derivative is not zero ]; one read non-zero on the CPU is named so, below
+        if any(g.requires_grad for g in grads) and not (immediate and _any_nonzero(node, grads)):
             raise ReleasedTensorError(released_message(node, _released_by(node)) + _DIFFERENTIABLE)
-        if not immediate:
-            _defer(node, task, grads)
+        _raise_or_defer(node, task, grads)
         with _lock:
             _zero_pass.add(key)
-    elif immediate and _read_nonzero(grads):  # NOTE [ Zeros read where reading is free ]
+    elif immediate and _any_nonzero(node, grads, routed=True):  # NOTE [ Zeros read where reading is free ]
         with _lock:
             _zero_pass.discard(key)
         raise ReleasedTensorError(released_message(node, _released_by(node)))
     if is_function(node, *_REENTRANT):  # NOTE [ Backwards that run a pass ]
         with _lock:
             _zero_pass.discard(key)
-        raise ReleasedTensorError(released_message(node, _released_by(node)) + _PYTHON_BACKWARD)
+        raise ReleasedTensorError(released_message(node, _released_by(node)) + _REENTRANT_BACKWARD)
     md = node.metadata
     if _ZEROING not in md:
         with _registering:  # two threads' first zero passes through one node: one hook
@@ -183,28 +181,28 @@ def _zero_outputs(grad_inputs, grad_outputs):
         _zero_pass.discard(key)
     hooks = node.metadata.get(_CHECKED)
     if isinstance(hooks, dict) and len(hooks) > 1:  # NOTE [ Pre-hooks after the guard ]
-        grads = [g for g in grad_outputs if g is not None]
-        if grads and grads[0].device.type not in IMMEDIATE:
-            _defer(node, task, grads)
-        elif _any_nonzero(node, grads):
-            raise ReleasedTensorError(released_message(node, _released_by(node)))
+        _raise_or_defer(node, task, [g for g in grad_outputs if g is not None])
     return tuple(None if g is None else torch.zeros_like(g) for g in grad_inputs)
 
 
-def _read_nonzero(grads) -> bool:
-    """Whether a gradient routing says is zero is not, where its values can be read:
-    a batched pass (vmap, ``is_grads_batched``) has none to read, and routing's word
-    stands there."""
-    try:
-        return any(bool(g.any()) for g in grads)
-    except RuntimeError:
-        return False
+def _raise_or_defer(node, task: int, grads) -> None:
+    """Raise where one of ``grads`` (into ``node``, released) is not zero: on the CPU at
+    once, on other devices when the pass ends (NOTE [ Zeros known without looking ])."""
+    if grads and grads[0].device.type not in IMMEDIATE:
+        _defer(node, task, grads)
+    elif _any_nonzero(node, grads):
+        raise ReleasedTensorError(released_message(node, _released_by(node)))
 
 
-def _any_nonzero(node, grads) -> bool:
+def _any_nonzero(node, grads, routed: bool = False) -> bool:
+    """Whether one of ``grads`` is not zero. A batched pass (vmap, ``is_grads_batched``)
+    has no value to read: it raises, but where routing said they are zeros (``routed``),
+    whose word stands there."""
     try:
         return any(bool(g.any()) for g in grads)
     except RuntimeError as e:  # a batched pass (vmap, is_grads_batched): no value can be read
+        if routed:
+            return False
         raise ReleasedTensorError(
             released_message(node, _released_by(node))
             + " The pass is batched (torch.vmap, is_grads_batched=True), so graphprune cannot check "
@@ -278,7 +276,7 @@ def _first_run(grad) -> None:
 
 
 _CHECKED = "graphprune.checked"  # node.metadata key: its pre-hook is registered; the node's pre-hooks
-_PYTHON_BACKWARD = (
+_REENTRANT_BACKWARD = (
     " The pass sends it a zero gradient, but it is a reentrant checkpoint's node, whose backward recomputes "
     "its region from the released inputs and runs a pass of its own into the region's .grad and buffers: "
     "graphprune does not run it on placeholders. Pass keep= to that call, or use "
